@@ -1,0 +1,40 @@
+# The README's two commands: `make lab` (set up, open the quickstart) and `make test` (set up, run every test).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: lab test lint notebooks bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lab,dev]"
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/00_quickstart.ipynb
+
+test: $(STAMP)
+	$(BIN)/ruff check memkit tests bench
+	$(BIN)/python -m pytest tests
+	MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax notebooks
+
+lint: $(STAMP)
+	$(BIN)/ruff check memkit tests bench
+	$(BIN)/ruff format --check memkit tests bench
+
+# Re-run every notebook and store it executed, with static PNG figures so GitHub shows them.
+# Needs Chromium for kaleido (Debian: apt-get install chromium).
+notebooks: $(STAMP)
+	BROWSER_PATH=$${BROWSER_PATH:-/usr/bin/chromium} PLOTLY_RENDERER=png $(BIN)/jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,266 @@
+"""`Timeline`: the events of one tracked window as numpy columns, and the questions asked of them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .events import ALLOC, CATEGORIES, COLUMNS, PHASES
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Timeline:
+    """Memory events of one tracked window (allocations and frees of storages), as numpy columns.
+
+    A Timeline comes from :func:`memkit.track`, :func:`memkit.estimate` or
+    :meth:`Timeline.from_snapshot`. While its ``track()`` block runs it follows the tracker live; after the
+    block it is fixed.
+
+    ``baseline_bytes`` is what was live when tracking began and memkit knows about: the model's parameters,
+    buffers and gradients, optimizer state, EMA shadows and inputs. ``peak_bytes`` is the baseline plus the
+    highest point the events reach, so ``peak_bytes - baseline_bytes`` is what the window added at its worst.
+
+    Example:
+        >>> with memkit.track() as tl:
+        ...     memkit.train_step(model, inputs)
+        >>> tl.peak_bytes, tl.peak_by_category()["activation"]
+    """
+
+    def __init__(
+        self,
+        columns: Mapping[str, np.ndarray] | None = None,
+        *,
+        baseline_by_category: Mapping[str, int] | None = None,
+        devices: list[str] | None = None,
+        ops: list[str] | None = None,
+        frames: list[str] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        source: Callable[[], tuple[dict, dict]] | None = None,
+    ):
+        self._source = source
+        self._columns: dict[str, np.ndarray] = {}
+        self._baseline: dict[str, int] = {}
+        self.devices: list[str] = []
+        self.ops: list[str] = []
+        self.frames: list[str] = []
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._cache: dict[str, Any] = {}
+        if source is None:
+            self._set(columns or {}, baseline_by_category or {}, devices or [], ops or [], frames or [])
+
+    def _set(self, columns, baseline, devices, ops, frames) -> None:
+        n = len(next(iter(columns.values()))) if columns else 0
+        cols = {}
+        for name, dtype in COLUMNS:
+            if name in columns:
+                col = np.asarray(columns[name], dtype=dtype)
+            elif name in ("op", "frame"):
+                col = np.full(n, -1, dtype=dtype)
+            else:
+                raise ValueError(f"columns is missing {name!r}; a Timeline needs {[c for c, _ in COLUMNS]}")
+            if len(col) != n:
+                raise ValueError(f"column {name!r} has {len(col)} rows, expected {n}")
+            cols[name] = col
+        unknown = set(baseline) - set(CATEGORIES)
+        if unknown:
+            raise ValueError(f"baseline_by_category has unknown categories {sorted(unknown)}; allowed: {CATEGORIES}")
+        self._columns = cols
+        self._baseline = {c: int(baseline.get(c, 0)) for c in CATEGORIES}
+        self.devices, self.ops, self.frames = list(devices), list(ops), list(frames)
+        self._cache = {}
+
+    def _sync(self) -> None:
+        if self._source is not None:
+            columns, extra = self._source()
+            self._set(columns, extra["baseline"], extra["devices"], extra["ops"], extra["frames"])
+
+    def _freeze(self) -> None:
+        """Take the tracker's final state and stop following it."""
+        self._sync()
+        self._source = None
+
+    # ---- raw data -------------------------------------------------------------------------------------------
+    def column(self, name: str) -> np.ndarray:
+        """One event column by name (see ``memkit.memory.events.COLUMNS``)."""
+        self._sync()
+        if name not in self._columns:
+            raise KeyError(f"no column {name!r}; columns: {list(self._columns)}")
+        return self._columns[name]
+
+    def __len__(self) -> int:
+        return len(self.column("bytes"))
+
+    @property
+    def time(self) -> np.ndarray:
+        """Seconds since tracking began, one per event."""
+        return self.column("time")
+
+    @property
+    def signed_bytes(self) -> np.ndarray:
+        """Bytes per event: positive for an allocation, negative for a free."""
+        b = self.column("bytes")
+        return np.where(self._columns["action"] == ALLOC, b, -b)
+
+    # ---- totals -------------------------------------------------------------------------------------------
+    @property
+    def baseline_by_category(self) -> dict[str, int]:
+        """Bytes live when tracking began, by category."""
+        self._sync()
+        return dict(self._baseline)
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes live when tracking began (the storages memkit knows about)."""
+        return sum(self.baseline_by_category.values())
+
+    @property
+    def live_bytes(self) -> np.ndarray:
+        """Bytes live after each event (int64 series, same length as the events)."""
+        self._sync()
+        if "live" not in self._cache:
+            self._cache["live"] = self.baseline_bytes + np.cumsum(self.signed_bytes, dtype=np.int64)
+        return self._cache["live"]
+
+    @property
+    def peak_index(self) -> int:
+        """Index of the event after which memory was highest (the first such), or -1 if it never rose."""
+        live = self.live_bytes
+        if len(live) == 0 or live.max() <= self.baseline_bytes:
+            return -1
+        return int(np.argmax(live))
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest live bytes over the window, baseline included."""
+        i = self.peak_index
+        return self.baseline_bytes if i < 0 else int(self.live_bytes[i])
+
+    @property
+    def peak_time(self) -> float:
+        """Seconds since tracking began at the peak (0.0 if memory never rose above the baseline)."""
+        i = self.peak_index
+        return 0.0 if i < 0 else float(self.time[i])
+
+    @property
+    def end_bytes(self) -> int:
+        """Bytes live at the end of the window."""
+        live = self.live_bytes
+        return int(live[-1]) if len(live) else self.baseline_bytes
+
+    def live_by_category(self) -> dict[str, np.ndarray]:
+        """Bytes live after each event, one int64 series per category (baseline included)."""
+        self._sync()
+        if "by_cat" not in self._cache:
+            signed, cat = self.signed_bytes, self._columns["category"]
+            out = {}
+            for code, name in enumerate(CATEGORIES):
+                mine = np.where(cat == code, signed, 0)
+                out[name] = self._baseline[name] + np.cumsum(mine, dtype=np.int64)
+            self._cache["by_cat"] = out
+        return self._cache["by_cat"]
+
+    def bytes_by_category_at(self, index: int) -> dict[str, int]:
+        """Bytes live by category after event ``index`` (-1: at the start)."""
+        if index < 0:
+            return self.baseline_by_category
+        if index >= len(self):
+            raise IndexError(f"index must be in [-1, {len(self) - 1}], got {index}")
+        signed, cat = self.signed_bytes[: index + 1], self._columns["category"][: index + 1]
+        sums = np.bincount(cat, weights=signed, minlength=len(CATEGORIES))
+        return {name: self._baseline[name] + int(sums[code]) for code, name in enumerate(CATEGORIES)}
+
+    def peak_by_category(self) -> dict[str, int]:
+        """Bytes live by category at the peak; the values sum to ``peak_bytes``."""
+        return self.bytes_by_category_at(self.peak_index)
+
+    def phase_spans(self) -> list[tuple[str, float, float]]:
+        """Contiguous runs of one phase as ``(phase, start_time, end_time)``, in order."""
+        phase, time = self.column("phase"), self._columns["time"]
+        if len(phase) == 0:
+            return []
+        change = np.flatnonzero(np.diff(phase)) + 1
+        starts = np.concatenate([[0], change])
+        ends = np.concatenate([change, [len(phase)]])
+        spans = []
+        for s, e in zip(starts, ends, strict=True):
+            t_end = float(time[e]) if e < len(time) else float(time[-1])
+            spans.append((PHASES[phase[s]], float(time[s]), t_end))
+        return spans
+
+    def top_allocations(self, n: int = 10, *, at: int | None = None) -> list[dict[str, Any]]:
+        """The ``n`` largest allocations live at event ``at`` (default: the peak), biggest first."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        at = self.peak_index if at is None else at
+        self._sync()
+        cols = self._columns
+        alive: dict[int, int] = {}
+        action, storage = cols["action"].tolist(), cols["storage"].tolist()
+        for i in range(at + 1):
+            if action[i] == ALLOC:
+                alive[storage[i]] = i
+            else:
+                alive.pop(storage[i], None)
+        rows = sorted(alive.values(), key=lambda i: -int(cols["bytes"][i]))[:n]
+        return [self._describe(i) for i in rows]
+
+    def _describe(self, i: int) -> dict[str, Any]:
+        c = self._columns
+        return {
+            "index": i,
+            "bytes": int(c["bytes"][i]),
+            "category": CATEGORIES[c["category"][i]],
+            "phase": PHASES[c["phase"][i]],
+            "time": float(c["time"][i]),
+            "device": self.devices[c["device"][i]] if self.devices else "?",
+            "op": self.ops[c["op"][i]] if c["op"][i] >= 0 else None,
+            "frame": self.frames[c["frame"][i]] if c["frame"][i] >= 0 else None,
+        }
+
+    def to_pandas(self):
+        """The events as a pandas DataFrame with readable category, phase, device and op names."""
+        import pandas as pd
+
+        self._sync()
+        c = self._columns
+        ops = np.array(self.ops + [""], dtype=object)
+        return pd.DataFrame(
+            {
+                "time": c["time"],
+                "action": np.array(["alloc", "free"])[c["action"]],
+                "bytes": c["bytes"],
+                "category": np.array(CATEGORIES)[c["category"]],
+                "phase": np.array(PHASES)[c["phase"]],
+                "device": np.array(self.devices or ["?"], dtype=object)[np.clip(c["device"], 0, None)],
+                "op": ops[c["op"]],
+                "live_bytes": self.live_bytes,
+            }
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Peak, baseline, end and peak-by-category, as plain numbers."""
+        return {
+            "events": len(self),
+            "baseline_bytes": self.baseline_bytes,
+            "peak_bytes": self.peak_bytes,
+            "end_bytes": self.end_bytes,
+            "peak_time": self.peak_time,
+            "peak_by_category": self.peak_by_category(),
+        }
+
+    def __repr__(self) -> str:
+        label = self.meta.get("label")
+        head = f"Timeline({label!r}, " if label else "Timeline("
+        return (
+            f"{head}events={len(self)}, baseline={_format_bytes(self.baseline_bytes)}, "
+            f"peak={_format_bytes(self.peak_bytes)})"
+        )

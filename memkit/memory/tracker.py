@@ -1,0 +1,402 @@
+"""The live-storage tracker: a ``TorchDispatchMode`` that records every new storage and its free.
+
+Why a dispatch mode: it sees every op on any device (CPU, CUDA, fake tensors) with its real output
+storages, so the bytes it adds up are the bytes the allocator handed out, not an estimate from shapes.
+Frees come from a ``weakref.finalize`` on each storage, which fires exactly when the storage dies.
+Two things a dispatch mode cannot see are added explicitly: buffers that a kernel allocates internally
+and frees before returning (``workspace.py``), and, on CUDA, the caching allocator's rounding.
+
+Categories are assigned when a storage is allocated, from what is running (module hooks give the forward,
+autograd's graph task gives the backward, optimizer hooks the optimizer step), and corrected once a
+storage's role becomes known: autograd puts it in ``param.grad`` (gradient), it survives in
+``optimizer.state`` (optimizer state), or a forward allocation is still alive when backward starts
+(activation).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import workspace
+from .events import ALLOC, CATEGORIES, CATEGORY_CODE, FREE, PHASE_CODE, EventLog, check_category
+from .timeline import Timeline
+
+_FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = (PHASE_CODE[p] for p in ("forward", "backward", "optimizer", "other"))
+_ACTIVATION, _TEMPORARY, _GRADIENT = (CATEGORY_CODE[c] for c in ("activation", "temporary", "gradient"))
+_OPTIMIZER_STATE = CATEGORY_CODE["optimizer_state"]
+
+_active: list[Tracker] = []  # innermost last
+
+
+def _graph_task_running() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Live:
+    """What the tracker knows about one live storage."""
+
+    __slots__ = ("event", "nbytes", "category", "phase", "finalizer")
+
+    def __init__(self, event: int, nbytes: int, category: int, phase: int, finalizer):
+        self.event, self.nbytes, self.category, self.phase, self.finalizer = event, nbytes, category, phase, finalizer
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: Tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tracker = self.tracker
+        phase = tracker._phase_now()
+        out = func(*args, **kwargs)
+        tracker._record_outputs(func, args, kwargs, out, phase)
+        return out
+
+
+class Tracker:
+    """Records the storages allocated and freed while it is active. Use it through :func:`track`."""
+
+    def __init__(
+        self,
+        *,
+        record_stacks: bool = False,
+        alloc_granularity: int | None = None,
+        device: str | None = None,
+        label: str | None = None,
+    ):
+        self.log = EventLog()
+        self.record_stacks = record_stacks
+        self.alloc_granularity = alloc_granularity
+        self.device = device
+        self._live: dict[int, _Live] = {}
+        self._baseline = {c: 0 for c in CATEGORY_CODE}
+        self._explicit: list[int] = []
+        self._forward_depth = 0
+        self._optimizer_depth = 0
+        self._last_phase = _OTHER
+        self._seen_modules: set[int] = set()
+        self._handles: list[Any] = []
+        self._aliasing: dict[Any, bool] = {}
+        self._t0 = time.perf_counter()
+        self._closed = False
+        self.timeline = Timeline(source=self._snapshot, meta={"label": label, "source": "tracker"})
+
+    # ---- hot path -------------------------------------------------------------------------------------------
+    def _phase_now(self) -> int:
+        if self._explicit:
+            phase = self._explicit[-1]
+        elif _graph_task_running():
+            phase = _BACKWARD
+        elif self._optimizer_depth:
+            phase = _OPTIMIZER
+        elif self._forward_depth:
+            phase = _FORWARD
+        else:
+            phase = _OTHER
+        if phase == _BACKWARD and self._last_phase != _BACKWARD:
+            self._backward_started()
+        self._last_phase = phase
+        return phase
+
+    def _record_outputs(self, func, args, kwargs, out, phase: int) -> None:
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            aliasing = self._aliasing[func] = any(r.alias_info is not None for r in func._schema.returns)
+        op = None
+        if not aliasing:
+            # A forward op replayed inside backward (activation checkpointing) recomputes an activation.
+            category = _ACTIVATION if (phase == _BACKWARD and self._forward_depth) else _TEMPORARY
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    if op is None:
+                        op = self.log.ops(str(func))
+                    self._new_storage(t, category, phase, op)
+        extra = workspace.workspace_bytes(func, args, kwargs, out, self.device)
+        if extra:
+            if op is None:
+                op = self.log.ops(str(func))
+            device = self._device_code(self._first_tensor_device(out))
+            n = self._round(extra)
+            now = time.perf_counter() - self._t0
+            frame = self._frame() if self.record_stacks else -1
+            self.log.rows.append((now, ALLOC, n, _TEMPORARY, phase, device, op, frame, -1))
+            self.log.rows.append((now, FREE, n, _TEMPORARY, phase, device, op, frame, -1))
+
+    def _new_storage(self, t: torch.Tensor, category: int, phase: int, op: int) -> None:
+        s = t.untyped_storage()
+        key = s._cdata
+        if key in self._live:
+            return
+        n = s.nbytes()
+        if n == 0:
+            return
+        n = self._round(n)
+        index = len(self.log.rows)
+        frame = self._frame() if self.record_stacks else -1
+        device = self._device_code(t.device)
+        self.log.rows.append((time.perf_counter() - self._t0, ALLOC, n, category, phase, device, op, frame, key))
+        fin = weakref.finalize(s, self._on_free, key, device)
+        fin.atexit = False
+        self._live[key] = _Live(index, n, category, phase, fin)
+
+    def _on_free(self, key: int, device: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is None or self._closed:
+            return
+        phase = self._explicit[-1] if self._explicit else self._last_phase
+        self.log.rows.append(
+            (time.perf_counter() - self._t0, FREE, entry.nbytes, entry.category, phase, device, -1, -1, key)
+        )
+
+    def _round(self, n: int) -> int:
+        g = self.alloc_granularity
+        return n if not g else max(g, -(-n // g) * g)
+
+    def _device_code(self, device: torch.device | None) -> int:
+        name = self.device or (str(device) if device is not None else "cpu")
+        return self.log.devices(name)
+
+    @staticmethod
+    def _first_tensor_device(out) -> torch.device | None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                return t.device
+        return None
+
+    def _frame(self) -> int:
+        frames = [
+            f"{f.filename}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-4]
+            if "/torch/" not in f.filename and "/memkit/memory/" not in f.filename
+        ]
+        return self.log.frames("\n".join(frames[-8:]))
+
+    # ---- categories -----------------------------------------------------------------------------------------
+    def _backward_started(self) -> None:
+        for entry in self._live.values():
+            if entry.phase == _FORWARD and entry.category == _TEMPORARY and entry.event >= 0:
+                self._retag(entry, _ACTIVATION)
+
+    def _retag(self, entry: _Live, code: int) -> None:
+        if entry.category == code:
+            return
+        if entry.event >= 0:
+            self.log.retags.append((entry.event, code))
+        else:  # a storage from before the window: move its bytes between baseline categories
+            self._baseline[CATEGORIES[entry.category]] -= entry.nbytes
+            self._baseline[CATEGORIES[code]] += entry.nbytes
+        entry.category = code
+
+    def register(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Give ``tensors`` the ``category``: storages allocated inside the window are retagged, storages
+        that existed before it are added to the baseline (they were live all along)."""
+        code = check_category(category)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            key = s._cdata
+            entry = self._live.get(key)
+            if entry is not None:
+                self._retag(entry, code)
+                continue
+            n = s.nbytes()
+            if n == 0:
+                continue
+            n = self._round(n)
+            self._baseline[category] += n
+            device = self._device_code(t.device)
+            fin = weakref.finalize(s, self._on_free, key, device)
+            fin.atexit = False
+            self._live[key] = _Live(-1, n, code, _OTHER, fin)
+
+    def register_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
+        """Register a module's parameters, buffers and existing gradients, and hook its gradients."""
+        for m in module.modules() if recurse else (module,):
+            if id(m) in self._seen_modules:
+                continue
+            self._seen_modules.add(id(m))
+            params = list(m.parameters(recurse=False))
+            self.register(params, "parameter")
+            self.register(m.buffers(recurse=False), "buffer")
+            self.register([p.grad for p in params if p.grad is not None], "gradient")
+            for p in params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Register an optimizer's state tensors as optimizer state."""
+        tensors = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        self.register(tensors, "optimizer_state")
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.register([param.grad], "gradient")
+
+    # ---- hooks ----------------------------------------------------------------------------------------------
+    def _forward_pre(self, module, args) -> None:
+        if id(module) not in self._seen_modules:
+            self.register_module(module, recurse=False)
+        self._forward_depth += 1
+
+    def _forward_post(self, module, args, output) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
+
+    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        self.register_optimizer(optimizer)
+        self._optimizer_depth += 1
+
+    def _optimizer_post(self, optimizer, args, kwargs) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        self.register_optimizer(optimizer)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim_module
+
+        self._handles += [
+            nn_module.register_module_forward_pre_hook(self._forward_pre),
+            nn_module.register_module_forward_hook(self._forward_post, always_call=True),
+            optim_module.register_optimizer_step_pre_hook(self._optimizer_pre),
+            optim_module.register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+        self._mode = _Mode(self)
+        self._t0 = time.perf_counter()
+        self._mode.__enter__()
+        _active.append(self)
+
+    def stop(self) -> None:
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            if self in _active:
+                _active.remove(self)
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self.timeline._freeze()
+            self._closed = True
+            for entry in self._live.values():
+                entry.finalizer.detach()
+            self._live.clear()
+
+    def _snapshot(self) -> tuple[dict, dict]:
+        return self.log.columns(), {
+            "baseline": dict(self._baseline),
+            "devices": list(self.log.devices.items),
+            "ops": list(self.log.ops.items),
+            "frames": list(self.log.frames.items),
+        }
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    if obj is None:
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if hasattr(obj, "memkit_tensors"):
+        return list(obj.memkit_tensors())
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+@contextmanager
+def track(
+    model: torch.nn.Module | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    inputs: Any = None,
+    ema: Any = None,
+    record_stacks: bool = False,
+    alloc_granularity: int | None = None,
+    device: str | None = None,
+    label: str | None = None,
+) -> Iterator[Timeline]:
+    """Track every storage allocated and freed inside the block; yields a live :class:`Timeline`.
+
+    Pass the objects that exist before the block (``model``, ``optimizer``, ``inputs``, ``ema``) so their
+    memory is counted in the baseline with the right category. Modules that run inside the block are
+    discovered by their forward hooks and optimizers by their step hooks, so a bare ``track()`` still
+    categorizes parameters and optimizer state, but storages it never sees (inputs not passed, tensors
+    that are never touched) are not counted.
+
+    Costs ~10–20 µs per op in Python, whatever the tensor sizes: noticeable on a tiny model, lost in the
+    noise on a real one (see ``bench/RESULTS.md``). ``record_stacks=True`` also interns the Python stack of
+    each allocation (much slower). ``alloc_granularity=512`` rounds sizes like the CUDA caching allocator.
+    Nested ``track()`` blocks are supported: each sees every op of its own window.
+
+    Example:
+        >>> with memkit.track(model, inputs=inputs) as tl:
+        ...     memkit.train_step(model, inputs)
+        >>> print(tl.peak_bytes, tl.peak_by_category())
+    """
+    if alloc_granularity is not None and (not isinstance(alloc_granularity, int) or alloc_granularity < 1):
+        raise ValueError(f"alloc_granularity must be a positive int or None, got {alloc_granularity!r}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    tracker = Tracker(record_stacks=record_stacks, alloc_granularity=alloc_granularity, device=device, label=label)
+    if model is not None:
+        tracker.register_module(model)
+    if optimizer is not None:
+        tracker.register_optimizer(optimizer)
+    tracker.register(_tensors_of(inputs), "input")
+    tracker.register(_tensors_of(ema), "ema")
+    tracker.start()
+    try:
+        yield tracker.timeline
+    finally:
+        tracker.stop()
+
+
+def tag(tensors: Iterable[torch.Tensor] | torch.Tensor, category: str) -> None:
+    """Tell every active tracker that ``tensors`` belong to ``category`` (no-op when none is active).
+
+    Optimizations call this for the memory they own (EMA shadows, offload buffers).
+
+    Example:
+        >>> memkit.memory.tag(shadow_params, "ema")
+    """
+    check_category(category)
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for tracker in list(_active):
+        tracker.register(tensors, category)
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark the allocations inside the block with phase ``name`` in every active tracker.
+
+    Example:
+        >>> with memkit.memory.phase("ema"):
+        ...     ema.update(model)
+    """
+    if name not in PHASE_CODE:
+        raise ValueError(f"phase must be one of {list(PHASE_CODE)}, got {name!r}")
+    trackers = list(_active)
+    for t in trackers:
+        t._explicit.append(PHASE_CODE[name])
+    try:
+        yield
+    finally:
+        for t in trackers:
+            t._explicit.pop()
+
+
+def tracking() -> bool:
+    """True while a :func:`track` block is active."""
+    return bool(_active)
