@@ -35,6 +35,7 @@ _ACTIVATION, _TEMPORARY, _GRADIENT = (CATEGORY_CODE[c] for c in ("activation", "
 _OPTIMIZER_STATE = CATEGORY_CODE["optimizer_state"]
 
 _active: list[Tracker] = []  # innermost last
+_FRESH = {torch.ops.aten.lift_fresh.default}
 
 
 def _graph_task_running() -> bool:
@@ -112,7 +113,10 @@ class Tracker:
     def _record_outputs(self, func, args, kwargs, out, phase: int) -> None:
         aliasing = self._aliasing.get(func)
         if aliasing is None:
-            aliasing = self._aliasing[func] = any(r.alias_info is not None for r in func._schema.returns)
+            # lift_fresh returns the tensor that torch.tensor(data) just built outside dispatch: a new storage.
+            aliasing = self._aliasing[func] = func not in _FRESH and any(
+                r.alias_info is not None for r in func._schema.returns
+            )
         op = None
         if not aliasing:
             # A forward op replayed inside backward (activation checkpointing) recomputes an activation.

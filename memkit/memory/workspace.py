@@ -4,9 +4,10 @@ A dispatch mode sees an op's outputs but not the buffers its kernel allocates in
 none; the ones below do, and on a small model they set the peak. Each entry gives the bytes of the
 transient buffers from the op's arguments, following the kernel source of torch 2.6–2.13. They are counted
 as a ``temporary`` allocation freed right after the op's outputs are allocated, which is the order the
-kernels use. What is not modelled: buffers a kernel allocates on worker threads beyond the first (CPU
-flash-attention backward: ``qSplitSize`` floats per extra thread, which the profiler does not see either),
-oneDNN packing buffers (half precision on AMX CPUs only), and CUDA library workspaces (cuBLAS, cuDNN).
+kernels use. What is not modelled: casts a CPU kernel makes of tensor operands of mixed dtypes, buffers
+a kernel allocates on worker threads beyond the first (CPU flash-attention backward: ``qSplitSize``
+floats per extra thread, which the profiler does not see either), oneDNN packing buffers (half precision
+on AMX CPUs only), and CUDA library workspaces (cuBLAS, cuDNN).
 """
 
 from __future__ import annotations
@@ -69,15 +70,42 @@ for _name, _fn in (
         _CPU[_packet.default] = _fn
 
 
+_WRAPPED_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+_tensor_slots: dict[object, tuple[int, ...]] = {}
+
+
+def _wrapped_scalars(func, args, out) -> int:
+    # A Python number passed where the schema takes a Tensor (``x / 2.0``) becomes a 0-dim "wrapped number"
+    # tensor: the argument parser allocates one before dispatch, the call below the dispatch mode allocates
+    # another, and the kernel casts it to the computation dtype. All three die when the op returns.
+    slots = _tensor_slots.get(func)
+    if slots is None:
+        slots = _tensor_slots[func] = tuple(
+            i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only
+        )
+    n = 0
+    for i in slots:
+        if i < len(args) and type(args[i]) in _WRAPPED_DTYPE:
+            wrapped = _WRAPPED_DTYPE[type(args[i])]
+            n += 2 * wrapped.itemsize
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if tensor is not None:
+                common = torch.result_type(tensor, args[i])
+                if common != wrapped:
+                    n += common.itemsize
+    return n
+
+
 def workspace_bytes(func, args, kwargs, out, device: str | None = None) -> int:
     """Bytes of internal buffers ``func`` allocated and freed while producing ``out`` (0 when none known).
 
     ``device`` overrides the device the op ran on (an estimate for CUDA run with fake CPU tensors): CPU
-    kernels' buffers are only counted for CPU.
+    kernels' buffers and CPU-side wrapped numbers are only counted for CPU.
     """
-    fn = _CPU.get(func)
-    if fn is None:
-        return 0
     if device is not None and not device.startswith("cpu"):
         return 0
-    return fn(args, kwargs, out)
+    n = _wrapped_scalars(func, args, out)
+    fn = _CPU.get(func)
+    if fn is not None:
+        n += fn(args, kwargs, out)
+    return n

@@ -1,0 +1,747 @@
+"""CUDA memory snapshots: read the pickles of ``torch.cuda.memory._dump_snapshot()`` into a :class:`Timeline`,
+write a Timeline as one (for pytorch.org/memory_viz), and record one on a CUDA machine.
+
+A snapshot is ``{"segments": [...], "device_traces": [[...], ...], ...}``: the allocator's segments and blocks
+when it was taken, and per device the last ``max_entries`` allocator actions. Conventions, following torch's
+own code (``c10/cuda/CUDACachingAllocator.cpp``, ``torch/utils/viz/MemoryViz.js``):
+
+- **Frees.** ``free_requested`` is logged when a tensor dies, ``free_completed`` when its block can be reused
+  (later only if another stream still used it, ``record_stream``). ``memory_allocated()`` drops at the request,
+  but the block stays ``active_pending_free`` and unusable until completion. We count memory until
+  ``free_completed``, as the memory viz's "Active Memory Timeline" does. A trace recorded with
+  ``skip_actions=["free_completed"]`` falls back to ``free_requested``.
+- **Sizes** are the ones the trace records, which are the requested bytes (torch logs ``orig_size`` and
+  ``block->requested_size``, not the rounded block). ``alloc_granularity=512`` rounds them like the caching
+  allocator (the tracker's option of the same name). The allocator's own numbers are kept in
+  ``timeline.meta["reserved_bytes"]`` / ``["allocated_bytes"]``, per device.
+- **Baseline.** The trace is only the last ``max_entries`` actions. Blocks allocated before it began are the
+  baseline: a free in the trace with no alloc before it at that address, plus every live block in
+  ``segments`` that no trace alloc accounts for. For a consistent snapshot the Timeline then ends exactly at
+  the live bytes of ``segments``; any difference is reported in ``meta["unaccounted_bytes"]``.
+- **Categories.** Snapshots from CUDA have none: events and baseline get ``default_category``. The
+  ``category`` key that ``torch.cuda._memory_viz._profile_to_snapshot`` writes is understood (a free takes
+  the category of its alloc). memkit writes each entry's category, phase and op as a first frame
+  ``{"filename": "memkit", "line": 0, "name": "category=activation phase=forward op=aten.mm.default"}``
+  (shown on top of every stack in the viz), plus the ``category`` key that the viz colours by.
+
+Loading is safe: the unpickler refuses every global, so a crafted pickle raises :class:`SnapshotError`
+before it can run anything.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import pickle
+import re
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from itertools import chain, repeat
+from operator import itemgetter
+from typing import IO, Any
+
+import numpy as np
+
+from ..handle import Handle
+from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, FREE, PHASE_CODE, PHASES, check_category
+from .timeline import Timeline
+
+__all__ = [
+    "CudaHistoryError",
+    "SnapshotError",
+    "cuda_history_available",
+    "cuda_snapshot",
+    "load_snapshot",
+    "read_snapshot",
+    "record_cuda_history",
+    "write_snapshot",
+]
+
+MARKER_FILENAME = "memkit"
+STACK_FRAMES = 8  # innermost frames kept as a Timeline frame text
+_LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awaiting_free"))
+# torch.profiler's memory categories (``_profile_to_snapshot`` writes them) -> memkit's
+_FOREIGN_CATEGORY = {**{c: CATEGORY_CODE[c] for c in CATEGORIES}, "autograd_detail": CATEGORY_CODE["temporary"]}
+_CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh")
+_FRAME_LINE = re.compile(r"^(.*):(\d+) (.*)$")
+_SEGMENT_ALIGN = 2 << 20  # large segments are multiples of 2 MiB
+_BLOCK_ALIGN = 512
+_ACTIONS = {"alloc": 0, "free_requested": 1, "free_completed": 2}
+_MIX = np.random.default_rng(0x6D656D6B6974).integers(1, 2**63, size=16, dtype=np.uint64) | np.uint64(
+    1
+)  # the caching allocator's smallest block
+_ADDRESS_BASE = 0x7F0000000000
+
+
+class SnapshotError(ValueError):
+    """The input is not a readable CUDA memory snapshot (crafted, truncated, corrupted, or another pickle)."""
+
+
+class CudaHistoryError(RuntimeError):
+    """CUDA allocator history cannot be recorded here (no GPU, a CPU build of torch, or an old torch)."""
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+class _NoGlobals(pickle.Unpickler):
+    """Builds dicts, lists, tuples, strings and numbers; any other object would need a global: refused."""
+
+    def find_class(self, module: str, name: str):
+        raise SnapshotError(
+            f"refused to load the global {module}.{name}: a memory snapshot holds only dicts, lists, strings and "
+            "numbers, so this pickle is not one (it may have been crafted to run code; nothing was run)"
+        )
+
+    def persistent_load(self, pid):
+        raise SnapshotError("refused a persistent id: a memory snapshot has none, so this pickle is not one")
+
+
+@contextmanager
+def _gc_paused():
+    # Building 10^6 dicts triggers full collections that walk every object already built: 3x slower.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _unpickle(f: IO[bytes], what: str) -> Any:
+    try:
+        with _gc_paused():
+            return _NoGlobals(f).load()
+    except SnapshotError:
+        raise
+    except EOFError as e:
+        raise SnapshotError(f"{what} is truncated: the pickle ends before its end marker") from e
+    except Exception as e:  # UnpicklingError, ValueError, KeyError, IndexError, MemoryError... from bad bytes
+        kind = "truncated" if "truncated" in str(e) else "corrupted or not a pickle"
+        raise SnapshotError(f"{what} is {kind}: {type(e).__name__}: {e}") from e
+
+
+def load_snapshot(source: str | os.PathLike | bytes | IO[bytes] | Mapping | list) -> dict:
+    """Load a snapshot as torch's plain dict, safely, and check that it is one (see :func:`read_snapshot`).
+
+    A bare list is taken as the segments of ``torch.cuda.memory_snapshot()``, as torch's own CLI does.
+
+    Example:
+        >>> data = load_snapshot("snapshot.pickle")
+        >>> html = torch.cuda._memory_viz.trace_plot(data)
+    """
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            data = _unpickle(f, f"snapshot file {os.fspath(source)!r}")
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        data = _unpickle(io.BytesIO(source), "the snapshot bytes")
+    elif hasattr(source, "read"):
+        data = _unpickle(source, f"snapshot file {getattr(source, 'name', '<file object>')!r}")
+    elif isinstance(source, (Mapping, list)):
+        data = source
+    else:
+        raise TypeError(
+            f"source must be a path, bytes, a binary file object or a loaded snapshot dict, got {type(source).__name__}"
+        )
+    if isinstance(data, list):
+        data = {"segments": data, "device_traces": []}
+    if not isinstance(data, Mapping):
+        raise SnapshotError(
+            f"not a CUDA memory snapshot: expected a dict with 'segments' and 'device_traces' "
+            f"(torch.cuda.memory._snapshot()), got a {type(data).__name__}"
+        )
+    missing = [k for k in ("segments", "device_traces") if k not in data]
+    if missing:
+        found = sorted(map(str, data))[:8]
+        raise SnapshotError(f"not a CUDA memory snapshot: missing {missing} (keys found: {found})")
+    segments, traces = data["segments"], data["device_traces"]
+    if not isinstance(segments, list) or not all(isinstance(s, Mapping) for s in segments):
+        raise SnapshotError("not a CUDA memory snapshot: 'segments' must be a list of dicts")
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise SnapshotError("not a CUDA memory snapshot: 'device_traces' must be a list (one per device) of lists")
+    return data if isinstance(data, dict) else dict(data)
+
+
+# ---- frames ---------------------------------------------------------------------------------------------------
+def _marker(category: int, phase: int, op: str | None) -> dict:
+    name = f"category={CATEGORIES[category]} phase={PHASES[phase]}"
+    return {"filename": MARKER_FILENAME, "line": 0, "name": name if op is None else f"{name} op={op}"}
+
+
+def _is_cpp(frame: Mapping) -> bool:
+    filename = str(frame.get("filename", ""))
+    return filename in ("", "??") or filename.endswith(_CPP_SUFFIXES)
+
+
+def _frame_line(frame: Mapping) -> str:
+    filename, name = frame.get("filename", ""), frame.get("name", "")
+    return str(name) if filename in ("", "none") else f"{filename}:{frame.get('line', 0)} {name}"
+
+
+class _Frames:
+    """Decodes stacks into (category, phase, op, frame text) codes, once per distinct stack."""
+
+    def __init__(self, ops: list[str], texts: list[str]):
+        self.ops, self.texts = ops, texts
+        self._op_index = {o: i for i, o in enumerate(ops)}
+        self._text_index = {t: i for i, t in enumerate(texts)}
+
+    def codes(self, stacks: list) -> np.ndarray:
+        """(n, 4) int array of category (-1: none), phase (-1), op (-1) and frame (-1) codes."""
+        n = len(stacks)
+        out = np.full((n, 4), -1, dtype=np.int64)
+        if n == 0:
+            return out
+        if None in stacks:
+            stacks = [s or () for s in stacks]
+        # Torch shares frame dicts between stacks, so the ids of a stack's innermost frames identify what we
+        # keep of it; a hash of them, computed in numpy, finds the distinct stacks without a Python loop per
+        # event. With C++ frames (stacks="all") the Python frames come deeper: the whole stack is the key.
+        deep = any(isinstance(f, Mapping) and _is_cpp(f) for s in stacks[:200] for f in s)
+        cut = None if deep else STACK_FRAMES + 1
+        lens = np.fromiter(map(len, stacks), dtype=np.int64, count=n)
+        if cut:
+            lens = np.minimum(lens, cut)
+        total = int(lens.sum())
+        if total == 0:
+            return out
+        pieces = map(itemgetter(slice(0, cut)), stacks) if cut else stacks
+        ids = np.fromiter(map(id, chain.from_iterable(pieces)), dtype=np.uint64, count=total)
+        starts = np.cumsum(lens) - lens
+        position = np.arange(total) - np.repeat(starts, lens)
+        mixed = ids * _MIX[position % len(_MIX)]
+        mixed ^= mixed >> np.uint64(29)
+        key = np.zeros(n, dtype=np.uint64)
+        nonempty = lens > 0
+        key[nonempty] = np.add.reduceat(mixed, starts[nonempty])
+        key ^= lens.astype(np.uint64) * _MIX[0]
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        table = np.array([self.decode(stacks[i][:cut]) for i in first.tolist()], dtype=np.int64)
+        return table[inverse.reshape(-1)]
+
+    def decode(self, stack) -> tuple[int, int, int, int]:
+        return self._decode(stack) if stack else (-1, -1, -1, -1)
+
+    def _decode(self, stack) -> tuple[int, int, int, int]:
+        category = phase = op = -1
+        real = []
+        for f in stack:
+            if not isinstance(f, Mapping):
+                continue
+            if f.get("filename") == MARKER_FILENAME:
+                fields = dict(p.split("=", 1) for p in str(f.get("name", "")).split() if "=" in p)
+                category = CATEGORY_CODE.get(fields.get("category", ""), -1)
+                phase = PHASE_CODE.get(fields.get("phase", ""), -1)
+                if "op" in fields:
+                    op = self._intern(fields["op"], self.ops, self._op_index)
+            else:
+                real.append(f)
+        top = ([f for f in real if not _is_cpp(f)] or real)[:STACK_FRAMES]
+        text = "\n".join(_frame_line(f) for f in reversed(top))  # outermost first, like the tracker
+        return category, phase, op, self._intern(text, self.texts, self._text_index) if text else -1
+
+    @staticmethod
+    def _intern(item: str, items: list[str], index: dict[str, int]) -> int:
+        code = index.get(item)
+        if code is None:
+            code = index[item] = len(items)
+            items.append(item)
+        return code
+
+
+def _stack_of(text: str | None) -> list[dict]:
+    """Frame text written by the tracker (outermost first, ``file:line name``) as torch frames (innermost first)."""
+    frames = []
+    for line in reversed(text.split("\n") if text else []):
+        m = _FRAME_LINE.match(line)
+        frames.append(
+            {"filename": m[1], "line": int(m[2]), "name": m[3]} if m else {"filename": "none", "line": 0, "name": line}
+        )
+    return frames
+
+
+# ---- reading --------------------------------------------------------------------------------------------------
+def _bad_entry(trace: list, device: int) -> str:
+    for i, e in enumerate(trace):
+        if not isinstance(e, Mapping) or "action" not in e:
+            return f"device_traces[{device}][{i}] is not a trace entry (a dict with 'action'): {str(e)[:120]}"
+        if e["action"] in ("alloc", "free_requested", "free_completed") and not all(k in e for k in ("addr", "size")):
+            return f"device_traces[{device}][{i}] ({e['action']}) lacks 'addr' or 'size': {str(e)[:120]}"
+    return f"device_traces[{device}] holds a malformed entry"
+
+
+def _device_events(trace: list, device: int, frames: _Frames) -> tuple[dict[str, np.ndarray], str]:
+    """One device's alloc and free events as arrays, in trace order."""
+    # C-level map/itemgetter pipelines: at 10^6 entries, a Python loop per entry would cost more than unpickling
+    try:
+        act = np.fromiter(map(_ACTIONS.get, map(itemgetter("action"), trace), repeat(-1)), np.int8, len(trace))
+        # a trace recorded with skip_actions=["free_completed"] only has the requests
+        free_code = 1 if (act == 1).any() and not (act == 2).any() else 2
+        keep = np.flatnonzero((act == 0) | (act == free_code))
+        sel = trace if len(keep) == len(trace) else list(map(trace.__getitem__, keep.tolist()))
+        n = len(sel)
+        addr = np.fromiter(map(itemgetter("addr"), sel), np.int64, n)
+        size = np.fromiter(map(itemgetter("size"), sel), np.int64, n)
+        stacks = list(map(dict.get, sel, repeat("frames")))
+        foreign = list(map(dict.get, sel, repeat("category")))
+        try:
+            time_us = np.fromiter(map(itemgetter("time_us"), sel), np.float64, n)
+        except (KeyError, TypeError):
+            time_us = np.full(n, np.nan)
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
+        raise SnapshotError(f"not a CUDA memory snapshot: {_bad_entry(trace, device)}") from e
+    codes = frames.codes(stacks)
+    category = codes[:, 0]
+    if foreign.count(None) != n:
+        named = np.array([_FOREIGN_CATEGORY.get(c, -1) if isinstance(c, str) else -1 for c in foreign], np.int64)
+        category = np.where(category >= 0, category, named)
+    cols = {
+        "time": time_us,
+        "action": np.where(act[keep] == 0, ALLOC, FREE).astype(np.int8),
+        "bytes": size,
+        "category": category,
+        "phase": codes[:, 1],
+        "device": np.full(n, device, dtype=np.int64),
+        "op": codes[:, 2],
+        "frame": codes[:, 3],
+        "storage": addr,
+    }
+    return cols, ("free_requested", "free_completed")[free_code - 1]
+
+
+def _pair(cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, set[tuple[int, int]]]:
+    """Pair each free with the alloc before it at the same address and device.
+
+    Returns the alloc index of each free (-1: allocated before the trace), and the (device, address) of the
+    allocations still live at the end of the trace.
+    """
+    n = len(cols["action"])
+    alloc_of = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return alloc_of, np.zeros(0, dtype=bool), set()
+    dev, addr, act = cols["device"], cols["storage"], cols["action"]
+    order = np.lexsort((np.arange(n), addr, dev))
+    d, a, x = dev[order], addr[order], act[order]
+    same_as_prev = np.zeros(n, dtype=bool)
+    same_as_prev[1:] = (d[1:] == d[:-1]) & (a[1:] == a[:-1])
+    paired = np.zeros(n, dtype=bool)
+    paired[1:] = same_as_prev[1:] & (x[1:] == FREE) & (x[:-1] == ALLOC)
+    alloc_of[order[paired]] = order[np.flatnonzero(paired) - 1]
+    last = np.ones(n, dtype=bool)
+    last[:-1] = ~same_as_prev[1:]
+    live = last & (x == ALLOC)
+    return alloc_of, act == FREE, set(zip(d[live].tolist(), a[live].tolist(), strict=True))
+
+
+def read_snapshot(
+    source: str | os.PathLike | bytes | IO[bytes] | Mapping | list,
+    *,
+    default_category: str = "temporary",
+    alloc_granularity: int | None = None,
+    device_names: Sequence[str] | None = None,
+) -> Timeline:
+    """Read a CUDA memory snapshot (a path, bytes, a binary file or the loaded dict) as a :class:`Timeline`.
+
+    Each ``alloc`` becomes an allocation and each ``free_completed`` a free (see the module docstring for why),
+    with time in seconds since the first event (the event's index when entries have no ``time_us``), device
+    ``"cuda:N"`` (``device_names`` to rename; memkit's own snapshots keep their names), storage = address, and
+    the innermost frames as the frame text. Memory allocated before the trace began is the baseline, so the
+    Timeline ends at what ``segments`` says is live. Categories come from memkit's marker frame or a
+    ``category`` key, else ``default_category``. Pickles are loaded without ever importing a global: crafted,
+    truncated or foreign files raise :class:`SnapshotError`. 10^6 events take a few seconds, mostly unpickling.
+
+    Example:
+        >>> torch.cuda.memory._dump_snapshot("snapshot.pickle")      # after _record_memory_history()
+        >>> tl = read_snapshot("snapshot.pickle")
+        >>> tl.peak_bytes, tl.meta["reserved_bytes"]
+    """
+    default = check_category(default_category)
+    if alloc_granularity is not None and (not isinstance(alloc_granularity, int) or alloc_granularity < 1):
+        raise ValueError(f"alloc_granularity must be a positive int or None, got {alloc_granularity!r}")
+    with _gc_paused():
+        data = load_snapshot(source)
+        return _to_timeline(data, default, alloc_granularity, device_names)
+
+
+def _header(data: Mapping) -> dict:
+    header = data.get("memkit")
+    return header if isinstance(header, dict) and header.get("version") == 1 else {}
+
+
+def _to_timeline(data: Mapping, default: int, granularity: int | None, device_names) -> Timeline:
+    header = _header(data)
+    ops: list[str] = []
+    texts: list[str] = []
+    frames = _Frames(ops, texts)
+    per_device, free_actions = [], {}
+    for d, trace in enumerate(data["device_traces"]):
+        if trace:
+            cols, free_actions[d] = _device_events(trace, d, frames)
+            per_device.append(cols)
+    if per_device:
+        cols = {k: np.concatenate([c[k] for c in per_device]) for k in per_device[0]}
+    else:
+        cols = {name: np.zeros(0, dtype=np.int64 if name != "time" else np.float64) for name, _ in COLUMNS}
+    n = len(cols["action"])
+
+    # time: seconds since the first event; the index when the trace has no times
+    t = cols["time"]
+    if n and not np.isnan(t).any():
+        if len(per_device) > 1:
+            order = np.argsort(t, kind="stable")
+            cols = {k: v[order] for k, v in cols.items()}
+            t = cols["time"]
+        zero = header.get("time_zero_us")
+        zero = float(zero) if isinstance(zero, (int, float)) else float(t.min())
+        cols["time"], time_unit = (t - zero) / 1e6, "s"
+    else:
+        cols["time"], time_unit = np.arange(n, dtype=np.float64), "event"
+    if granularity:
+        cols["bytes"] = np.maximum(granularity, -(-cols["bytes"] // granularity) * granularity)
+
+    # a free belongs to the category of its alloc; what stays unknown gets the default
+    alloc_of, is_free, live_from_trace = _pair(cols)
+    cat = cols["category"]
+    has_alloc = alloc_of >= 0
+    cat[has_alloc] = cat[alloc_of[has_alloc]]
+    cat[cat < 0] = default
+    cols["phase"][cols["phase"] < 0] = PHASE_CODE["other"]
+
+    # baseline: frees of blocks allocated before the trace, plus live blocks that no trace alloc explains
+    before = is_free & ~has_alloc
+    baseline = np.bincount(cat[before], weights=cols["bytes"][before], minlength=len(CATEGORIES)).astype(np.int64)
+    end_live: dict[int, int] = {}  # live bytes per device, by the segments
+    before_live: dict[int, int] = {}  # of which allocated before the trace
+    reserved: dict[int, int] = {}
+    allocated: dict[int, int] = {}
+    for s, seg in enumerate(data["segments"]):
+        try:
+            d = int(seg.get("device", 0))
+            reserved[d] = reserved.get(d, 0) + int(seg.get("total_size", 0))
+            address = int(seg.get("address") or 0)
+            for b in seg.get("blocks", ()):
+                block_addr = int(b.get("address", address))
+                address = block_addr + int(b["size"])
+                if b.get("state") not in _LIVE_STATES:
+                    continue
+                if b["state"] == "active_allocated":
+                    allocated[d] = allocated.get(d, 0) + int(b["size"])
+                nbytes = int(b.get("requested_size", b["size"]))
+                if granularity:
+                    nbytes = max(granularity, -(-nbytes // granularity) * granularity)
+                end_live[d] = end_live.get(d, 0) + nbytes
+                if (d, block_addr) in live_from_trace:
+                    continue
+                code = frames.decode(b.get("frames"))[0]
+                if code < 0:
+                    code = _FOREIGN_CATEGORY.get(b.get("category"), default)
+                baseline[code] += nbytes
+                before_live[d] = before_live.get(d, 0) + nbytes
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SnapshotError(f"not a CUDA memory snapshot: segments[{s}] is malformed ({e!r})") from e
+
+    # devices that appear, in index order; names from memkit's header, the caller, or "cuda:N"
+    used = sorted(set(np.unique(cols["device"]).tolist()) | set(reserved))
+    named = header.get("devices") if isinstance(header.get("devices"), dict) else {}
+    if device_names is not None:
+        named = dict(enumerate(device_names))
+    names = [str(named.get(d, f"cuda:{d}")) for d in used]
+    remap = np.zeros(max(used, default=0) + 1, dtype=np.int64)
+    remap[used] = np.arange(len(used))
+    cols["device"] = remap[cols["device"]] if n else cols["device"]
+
+    # for a consistent snapshot, baseline + events end at what the segments hold
+    signed = np.where(cols["action"] == ALLOC, cols["bytes"], -cols["bytes"])
+    net = np.bincount(cols["device"], weights=signed, minlength=len(used)).astype(np.int64)
+    freed_before = np.bincount(cols["device"][before], weights=cols["bytes"][before], minlength=len(used))
+    unaccounted = {}
+    for i, d in enumerate(used):
+        diff = end_live.get(d, 0) - (before_live.get(d, 0) + int(freed_before[i]) + int(net[i]))
+        if diff:
+            unaccounted[names[i]] = diff
+    meta: dict[str, Any] = {
+        "source": "snapshot",
+        "time_unit": time_unit,
+        "reserved_bytes": {names[used.index(d)]: v for d, v in reserved.items()},
+        "allocated_bytes": {names[used.index(d)]: v for d, v in allocated.items()},
+        "free_action": {names[used.index(d)]: a for d, a in free_actions.items()},
+    }
+    if unaccounted:
+        meta["unaccounted_bytes"] = unaccounted
+    for key, value in (header.get("meta") or {}).items():
+        meta.setdefault(key, value)
+    return Timeline(
+        cols,
+        baseline_by_category={c: int(baseline[i]) for i, c in enumerate(CATEGORIES)},
+        devices=names,
+        ops=ops,
+        frames=texts,
+        meta=meta,
+    )
+
+
+# ---- writing --------------------------------------------------------------------------------------------------
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+class _Addresses:
+    """Addresses for one device: reuse a freed block of the same rounded size, else grow. Unique while live."""
+
+    def __init__(self, base: int):
+        self.base, self.top = base, base
+        self._free: dict[int, list[int]] = {}
+
+    def alloc(self, rounded: int) -> int:
+        pool = self._free.get(rounded)
+        if pool:
+            return pool.pop()
+        addr, self.top = self.top, self.top + rounded
+        return addr
+
+    def free(self, addr: int, rounded: int) -> None:
+        self._free.setdefault(rounded, []).append(addr)
+
+
+def _rounded(n: int) -> int:
+    return max(_BLOCK_ALIGN, -(-n // _BLOCK_ALIGN) * _BLOCK_ALIGN)
+
+
+def write_snapshot(timeline: Timeline, path: str | os.PathLike | None = None) -> dict:
+    """Write ``timeline`` as a CUDA memory snapshot in torch's schema; return the dict (saved to ``path`` if given).
+
+    torch's ``_memory_viz`` functions and pytorch.org/memory_viz open it: allocations are ``alloc`` entries,
+    frees ``free_requested`` + ``free_completed`` pairs, addresses are synthesized (512-byte aligned, reused only
+    once free), one segment per device holds the blocks live at the end, and the baseline is live from before
+    the trace (blocks per category; baseline storages freed in the window become blocks that the trace frees).
+    Each entry carries memkit's marker frame, so :func:`read_snapshot` gives back the same bytes, actions,
+    categories, phases and ops. Pickle protocol 4, the newest the viz reads.
+
+    Example:
+        >>> with memkit.track(model, inputs=inputs) as tl:
+        ...     memkit.train_step(model, inputs)
+        >>> write_snapshot(tl, "step.pickle")          # drag onto pytorch.org/memory_viz
+    """
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"timeline must be a memkit Timeline, got {type(timeline).__name__}")
+    c = {name: timeline.column(name).tolist() for name, _ in COLUMNS}
+    names = timeline.devices or ["cuda:0"]
+    indices = _device_indices(names)
+    zero_us = int(time.time() * 1e6)
+
+    stacks: dict[tuple, list] = {}
+
+    def stack(category: int, phase: int, op: int, frame: int) -> list:
+        key = (category, phase, op, frame)
+        s = stacks.get(key)
+        if s is None:
+            op_name = timeline.ops[op] if 0 <= op < len(timeline.ops) else None
+            text = timeline.frames[frame] if 0 <= frame < len(timeline.frames) else None
+            s = stacks[key] = [_marker(category, phase, op_name), *_stack_of(text)]
+        return s
+
+    # storages freed in the window but allocated before it: they are part of the baseline
+    live: dict[int, int] = {}
+    before: list[int] = []
+    for i, (action, key) in enumerate(zip(c["action"], c["storage"], strict=True)):
+        if action == ALLOC:
+            live[key] = i
+        elif live.pop(key, None) is None:
+            before.append(i)
+    remainder = timeline.baseline_by_category
+    for i in before:
+        remainder[CATEGORIES[c["category"][i]]] -= c["bytes"][i]
+    short = {k: -v for k, v in remainder.items() if v < 0}
+    if short:
+        raise ValueError(f"timeline frees more bytes of pre-window storages than its baseline holds: {short}")
+
+    traces: list[list[dict]] = [[] for _ in range(max(indices.values()) + 1)]
+    spaces = {d: _Addresses(_ADDRESS_BASE + d * (1 << 40)) for d in indices.values()}
+    blocks: dict[int, dict[int, dict]] = {d: {} for d in indices.values()}  # live blocks by address
+    first_device = indices[names[c["device"][0]]] if c["action"] else indices[names[0]]
+    for category, nbytes in remainder.items():  # baseline still live at the end
+        if nbytes > 0:
+            code = CATEGORY_CODE[category]
+            _add_block(blocks[first_device], spaces[first_device], nbytes, stack(code, PHASE_CODE["other"], -1, -1))
+    before_addr = {}
+    for i in before:
+        d = indices[names[c["device"][i]]]
+        s = stack(c["category"][i], PHASE_CODE["other"], -1, -1)
+        before_addr[i] = _add_block(blocks[d], spaces[d], c["bytes"][i], s)
+
+    open_: dict[int, tuple[int, int]] = {}  # storage key -> (device index, address)
+    for i in range(len(c["action"])):
+        d = indices[names[c["device"][i]]]
+        nbytes, key = c["bytes"][i], c["storage"][i]
+        time_us = zero_us + round(c["time"][i] * 1e6)
+        s = stack(c["category"][i], c["phase"][i], c["op"][i], c["frame"][i])
+        if c["action"][i] == ALLOC:
+            if key in open_:  # allocated twice without a free: the first stays live
+                del open_[key]
+            addr = _add_block(blocks[d], spaces[d], nbytes, s)
+            open_[key] = (d, addr)
+            entry = {"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "time_us": time_us, "frames": s}
+            entry["category"] = CATEGORIES[c["category"][i]]
+            traces[d].append(entry)
+            continue
+        d, addr = open_.pop(key) if i not in before_addr else (d, before_addr[i])
+        block = blocks[d].pop(addr)
+        spaces[d].free(addr, block["size"])
+        for action in ("free_requested", "free_completed"):
+            entry = {"action": action, "addr": addr, "size": nbytes, "stream": 0, "time_us": time_us, "frames": s}
+            traces[d].append(entry)
+    end_us = zero_us + round((c["time"][-1] if c["time"] else 0.0) * 1e6)
+    for trace in traces:
+        if trace:  # the viz colours by category and crashes unless "unknown" is one (a typo in MemoryViz.js)
+            trace.append(
+                {
+                    "action": "snapshot",
+                    "addr": 0,
+                    "size": 0,
+                    "stream": 0,
+                    "time_us": end_us,
+                    "frames": [],
+                    "category": "unknown",
+                }
+            )
+    data = {
+        "segments": [_segment(d, spaces[d], blocks[d]) for d in sorted(spaces) if spaces[d].top > spaces[d].base],
+        "device_traces": traces,
+        "allocator_settings": {},
+        "external_annotations": [],
+        "memkit": {
+            "version": 1,
+            "devices": {indices[name]: name for name in names},
+            "time_zero_us": zero_us,
+            "meta": {k: v for k, v in timeline.meta.items() if isinstance(k, str) and _plain(v)},
+        },
+    }
+    if path is not None:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(data, f, protocol=4)
+        os.replace(tmp, path)
+    return data
+
+
+def _device_indices(names: list[str]) -> dict[str, int]:
+    """``cuda:N`` keeps index N when every device is a CUDA one; otherwise devices are numbered in order."""
+    m = [re.fullmatch(r"cuda:(\d+)", n) for n in names]
+    if all(m) and len({int(x[1]) for x in m}) == len(names):
+        return {n: int(x[1]) for n, x in zip(names, m, strict=True)}
+    return {n: i for i, n in enumerate(names)}
+
+
+def _add_block(blocks: dict[int, dict], space: _Addresses, nbytes: int, frames: list) -> int:
+    rounded = _rounded(nbytes)
+    addr = space.alloc(rounded)
+    blocks[addr] = {
+        "address": addr,
+        "size": rounded,
+        "requested_size": nbytes,
+        "state": "active_allocated",
+        "frames": frames,
+    }
+    return addr
+
+
+def _segment(device: int, space: _Addresses, live: dict[int, dict]) -> dict:
+    total = -(-(space.top - space.base) // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+    blocks, cursor = [], space.base
+    for addr in sorted(live):
+        if addr > cursor:
+            blocks.append(
+                {"address": cursor, "size": addr - cursor, "requested_size": 0, "state": "inactive", "frames": []}
+            )
+        blocks.append(live[addr])
+        cursor = addr + live[addr]["size"]
+    if cursor < space.base + total:
+        blocks.append(
+            {
+                "address": cursor,
+                "size": space.base + total - cursor,
+                "requested_size": 0,
+                "state": "inactive",
+                "frames": [],
+            }
+        )
+    allocated = sum(b["size"] for b in live.values())
+    return {
+        "device": device,
+        "address": space.base,
+        "total_size": total,
+        "allocated_size": allocated,
+        "active_size": allocated,
+        "requested_size": sum(b["requested_size"] for b in live.values()),
+        "stream": 0,
+        "segment_type": "large",
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "frames": [],
+        "blocks": blocks,
+    }
+
+
+# ---- recording on CUDA ------------------------------------------------------------------------------------------
+def _cuda_history_problem() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+        return f"CUDA allocator history needs a CUDA device; this torch {torch.__version__} has {build}"
+    memory = getattr(torch.cuda, "memory", None)
+    for name in ("_record_memory_history", "_snapshot"):
+        if not callable(getattr(memory, name, None)):
+            return f"this torch {torch.__version__} has no torch.cuda.memory.{name}"
+    if not hasattr(torch._C, "_cuda_record_memory_history"):
+        return f"this torch {torch.__version__} was built without the CUDA allocator's history"
+    return None
+
+
+def cuda_history_available() -> bool:
+    """True when :func:`record_cuda_history` can run here (a CUDA device and torch's private history API)."""
+    return _cuda_history_problem() is None
+
+
+def record_cuda_history(max_entries: int = 100_000, *, stacks: str = "python") -> Handle:
+    """Start recording the CUDA caching allocator's history (every alloc and free, with Python stacks).
+
+    Costs a few µs per allocation and several KB per kept entry; only the last ``max_entries`` are kept. The
+    returned handle stops recording. Raises :class:`CudaHistoryError` with the reason where it can't run
+    (no GPU, CPU build); :func:`memkit.track` measures exact storages on any device instead.
+
+    Example:
+        >>> with record_cuda_history(max_entries=200_000):
+        ...     memkit.train_step(model, inputs); tl = cuda_snapshot()
+        >>> tl.peak_bytes
+    """
+    if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
+        raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+    if stacks not in ("python", "all"):
+        raise ValueError(f"stacks must be 'python' or 'all', got {stacks!r}")
+    problem = _cuda_history_problem()
+    if problem:
+        raise CudaHistoryError(f"{problem}. Use memkit.track(), which measures exact storages on any device.")
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
+    return Handle(lambda: torch.cuda.memory._record_memory_history(enabled=None), name="cuda memory history")
+
+
+def cuda_snapshot(**read_kwargs: Any) -> Timeline:
+    """The CUDA allocator's current snapshot (``torch.cuda.memory._snapshot()``) as a Timeline.
+
+    Takes :func:`read_snapshot`'s keyword arguments. Raises :class:`CudaHistoryError` where CUDA is missing.
+
+    Example:
+        >>> handle = record_cuda_history()
+        >>> memkit.train_step(model, inputs)
+        >>> tl = cuda_snapshot(); handle.remove()
+    """
+    problem = _cuda_history_problem()
+    if problem:
+        raise CudaHistoryError(f"{problem}. Use memkit.track(), which measures exact storages on any device.")
+    import torch
+
+    return read_snapshot(torch.cuda.memory._snapshot(), **read_kwargs)

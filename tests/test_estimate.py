@@ -1,0 +1,62 @@
+"""Fake-tensor estimates against real tracked runs."""
+
+import pytest
+import torch
+
+import memkit
+
+
+def real_peak(preset: str, mode: str, optimizations=(), optimizer=None) -> memkit.Timeline:
+    model = memkit.load_model(preset)
+    inputs = memkit.make_inputs(model)
+    opt = memkit.memory.estimate.make_optimizer(optimizer, model.parameters())
+    with memkit.handle.apply_all(model, optimizations):
+        with memkit.track(model, optimizer=opt, inputs=inputs) as tl:
+            if mode == "training":
+                memkit.train_step(model, inputs, opt)
+            else:
+                with torch.no_grad():
+                    model(**inputs)
+    return tl
+
+
+@pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
+def test_estimate_equals_real_tracked_peak_for_every_tiny_preset(preset):
+    est = memkit.estimate(preset, size="tiny")
+    real = real_peak(preset, "training")
+    assert est.peak_bytes == real.peak_bytes
+    assert est.baseline_bytes == real.baseline_bytes
+    assert est.peak_by_category() == real.peak_by_category()
+
+
+@pytest.mark.parametrize("preset", ["flux", "unet"])
+def test_estimate_inference_and_checkpointing_match_real(preset):
+    estimated = memkit.estimate(preset, size="tiny", mode="inference")
+    assert estimated.peak_bytes == real_peak(preset, "inference").peak_bytes
+    ckpt = [memkit.Checkpointing("all")]
+    assert (
+        memkit.estimate(preset, size="tiny", optimizations=ckpt).peak_bytes
+        == real_peak(preset, "training", ckpt).peak_bytes
+    )
+
+
+def test_estimate_with_a_callable_and_custom_inputs():
+    def model_fn():
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+    tl = memkit.estimate(model_fn, lambda m: {"input": torch.randn(8, 64)}, mode="inference")
+    # weights + input, then fc1 out (8x256) and gelu out coexist, then fc2 out
+    params = (64 * 256 + 256 + 256 * 64 + 64) * 4
+    assert tl.baseline_bytes == params + 8 * 64 * 4
+    assert tl.peak_bytes - tl.baseline_bytes == 2 * 8 * 256 * 4
+
+
+def test_estimate_bad_input():
+    with pytest.raises(ValueError, match="presets"):
+        memkit.estimate("sdxl")
+    with pytest.raises(ValueError, match="mode"):
+        memkit.estimate("flux", size="tiny", mode="train")
+    with pytest.raises(ValueError, match="steps"):
+        memkit.estimate("flux", size="tiny", steps=0)
+    with pytest.raises(ValueError, match="device"):
+        memkit.estimate("flux", size="tiny", device="tpu")
