@@ -110,9 +110,10 @@ def _model_factory(model: str | Callable[[], torch.nn.Module], seed: int) -> Cal
     raise TypeError(f"model_fn must be a preset name ({sorted(PRESETS)}) or a callable returning a model")
 
 
-def _run(model: torch.nn.Module, inputs: Mapping[str, Any], mode: str) -> torch.Tensor:
-    captured: list[torch.Tensor] = []
-    hook = model.register_forward_hook(lambda m, a, out: captured.append(model_output(out).detach()))
+def _step(model: torch.nn.Module, inputs: Mapping[str, Any], mode: str, capture: list | None = None) -> None:
+    hook = None
+    if capture is not None:
+        hook = model.register_forward_hook(lambda m, a, out: capture.append(model_output(out).detach()))
     try:
         if mode == "training":
             train_step(model, inputs)
@@ -120,8 +121,8 @@ def _run(model: torch.nn.Module, inputs: Mapping[str, Any], mode: str) -> torch.
             with torch.no_grad():
                 model(**inputs)
     finally:
-        hook.remove()
-    return captured[-1]
+        if hook is not None:
+            hook.remove()
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -149,10 +150,11 @@ def compare(
 ) -> Comparison:
     """Run a baseline and each variant on the same weights and inputs, tracked, and compare them.
 
-    Each variant gets a fresh model from ``model_fn`` loaded with the baseline's weights, its optimizations
-    applied, then one tracked step (memory, output, gradients) and ``repeats`` untracked steps for the time
-    (median, after one warm-up). Gradients are compared after one backward from ``None``. Costs
-    ``(repeats + 2) × (variants + 1)`` steps; models are built one at a time.
+    Each variant gets a fresh model from ``model_fn`` loaded with the baseline's weights and its
+    optimizations applied. It then runs one step that records the output and gradients (a backward from
+    ``grad=None``; also the warm-up), ``repeats`` untracked steps for the time (median), and one tracked step
+    for the memory, which holds no extra reference to anything so the measured peak is the step's own.
+    Costs ``(repeats + 2) × (variants + 1)`` steps; models are built one at a time.
 
     Args:
         model_fn: a preset name (its tiny size) or a callable returning a model.
@@ -197,11 +199,16 @@ def compare(
         if step_inputs is None:
             step_inputs = make_inputs(model, seed=seed)
         with apply_all(model, opts):
+            model.zero_grad(set_to_none=True)
+            captured: list[torch.Tensor] = []
+            _step(model, step_inputs, mode, captured)
+            out = captured[-1].clone()
+            grads = _grads(model) if mode == "training" else {}
+            del captured
             seconds = _time_steps(model, step_inputs, mode, repeats)
             model.zero_grad(set_to_none=True)
             with track(model, inputs=step_inputs, label=name) as tl:
-                out = _run(model, step_inputs, mode)
-            grads = _grads(model) if mode == "training" else {}
+                _step(model, step_inputs, mode)
         result = VariantResult(name, opts, tl, seconds)
         if ref_out is None:
             ref_out, ref_grads = out, grads
@@ -228,10 +235,9 @@ def _time_steps(model: torch.nn.Module, inputs: Mapping[str, Any], mode: str, re
     if repeats == 0:
         return float("nan")
     times = []
-    for i in range(repeats + 1):
+    for _ in range(repeats):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        _run(model, inputs, mode)
-        if i:  # the first run warms up
-            times.append(time.perf_counter() - t0)
+        _step(model, inputs, mode)
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)

@@ -44,9 +44,10 @@ class Timeline:
         ops: list[str] | None = None,
         frames: list[str] | None = None,
         meta: Mapping[str, Any] | None = None,
-        source: Callable[[], tuple[dict, dict]] | None = None,
+        source: Callable[[Any], tuple[Any, dict, dict] | None] | None = None,
     ):
         self._source = source
+        self._version: Any = None
         self._columns: dict[str, np.ndarray] = {}
         self._baseline: dict[str, int] = {}
         self.devices: list[str] = []
@@ -80,8 +81,10 @@ class Timeline:
 
     def _sync(self) -> None:
         if self._source is not None:
-            columns, extra = self._source()
-            self._set(columns, extra["baseline"], extra["devices"], extra["ops"], extra["frames"])
+            update = self._source(self._version)
+            if update is not None:  # the tracker recorded something since the last look
+                self._version, columns, extra = update
+                self._set(columns, extra["baseline"], extra["devices"], extra["ops"], extra["frames"])
 
     def _freeze(self) -> None:
         """Take the tracker's final state and stop following it."""

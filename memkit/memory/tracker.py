@@ -296,13 +296,20 @@ class Tracker:
                 entry.finalizer.detach()
             self._live.clear()
 
-    def _snapshot(self) -> tuple[dict, dict]:
-        return self.log.columns(), {
-            "baseline": dict(self._baseline),
-            "devices": list(self.log.devices.items),
-            "ops": list(self.log.ops.items),
-            "frames": list(self.log.frames.items),
-        }
+    def _snapshot(self, seen_version) -> tuple[tuple, dict, dict] | None:
+        version = (len(self.log.rows), len(self.log.retags), tuple(self._baseline.values()))
+        if version == seen_version:
+            return None
+        return (
+            version,
+            self.log.columns(),
+            {
+                "baseline": dict(self._baseline),
+                "devices": list(self.log.devices.items),
+                "ops": list(self.log.ops.items),
+                "frames": list(self.log.frames.items),
+            },
+        )
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:

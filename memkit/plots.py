@@ -1,0 +1,308 @@
+"""Plots: pure functions from a :class:`Timeline` or a comparison to a plotly figure.
+
+No torch, no widgets: every function takes plain data and returns a ``go.Figure`` that a notebook shows with
+``fig.show()`` (set ``PLOTLY_RENDERER=png`` for notebooks stored with their outputs), a widget wraps in a
+``FigureWidget``, and a report writes with ``fig.write_html``. One colour per memory category
+(:data:`CATEGORY_COLORS`) is shared by every memkit figure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .memory.events import CATEGORIES, PHASES
+from .memory.timeline import Timeline
+
+__all__ = ["CATEGORY_COLORS", "PHASE_COLORS", "categories_figure", "comparison_figure", "decimate", "timeline_figure"]
+
+Unit = Literal["B", "KiB", "MiB", "GiB"]
+_UNITS: dict[str, int] = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+CATEGORY_COLORS: dict[str, str] = {
+    "parameter": "#4C78A8",
+    "buffer": "#72B7B2",
+    "gradient": "#F58518",
+    "optimizer_state": "#E45756",
+    "ema": "#B279A2",
+    "activation": "#54A24B",
+    "temporary": "#EECA3B",
+    "input": "#9D755D",
+}
+"""One fixed colour per memory category, used by every memkit figure."""
+
+PHASE_COLORS: dict[str, str] = {
+    "forward": "rgba(76, 120, 168, 0.12)",
+    "backward": "rgba(245, 133, 24, 0.12)",
+    "optimizer": "rgba(228, 87, 86, 0.12)",
+    "ema": "rgba(178, 121, 162, 0.14)",
+    "other": "rgba(128, 128, 128, 0.08)",
+}
+"""Light background colour of each phase in :func:`timeline_figure`."""
+
+_VARIANT_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
+_LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": {"groupclick": "toggleitem"}, "margin": {"r": 20}}
+_MAX_PHASE_SPANS = 200  # beyond this, shading is binned: more rectangles than pixels only bloat the figure
+
+
+def _divisor(unit: str) -> int:
+    if unit not in _UNITS:
+        raise ValueError(f"unit must be one of {list(_UNITS)}, got {unit!r}")
+    return _UNITS[unit]
+
+
+def _fmt(value: float, unit: str) -> str:
+    return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
+
+
+def _step(x: np.ndarray, y: np.ndarray, name: str, unit: str, **kwargs: Any) -> go.Scatter:
+    hover = f"%{{y:,.3f}} {unit}<extra>{name}</extra>"
+    return go.Scatter(x=x, y=y, name=name, mode="lines", line_shape="hv", hovertemplate=hover, **kwargs)
+
+
+def decimate(timeline: Timeline, max_points: int = 4000) -> np.ndarray:
+    """Indices of at most ``max_points`` events that keep the shape and the exact peak of ``live_bytes``.
+
+    The events are cut into ``(max_points - 3) // 2`` buckets of consecutive events; from each bucket the
+    event with the highest and the one with the lowest total live bytes are kept, plus the first and last
+    events and the global peak. Every extreme of the total the eye would notice survives and the top of the
+    plotted stack at the peak is ``timeline.peak_bytes`` to the byte; what is lost are the other events of
+    each bucket, so a category's brief rise that sets neither extreme of the total is not drawn.
+    Vectorized: ~10 ms per 10^6 events.
+
+    Example:
+        >>> idx = memkit.plots.decimate(tl, 2000)
+        >>> tl.live_bytes[idx].max() == tl.live_bytes.max()
+        True
+    """
+    if not isinstance(max_points, int) or isinstance(max_points, bool) or max_points < 3:
+        raise ValueError(f"max_points must be an int >= 3, got {max_points!r}")
+    live = timeline.live_bytes
+    n = len(live)
+    if n <= max_points:
+        return np.arange(n, dtype=np.int64)
+    keep = [np.array([0, n - 1, int(np.argmax(live))], dtype=np.int64)]
+    buckets = (max_points - 3) // 2
+    if buckets:
+        size = -(-n // buckets)
+        # Padding with the last value never wins a bucket: argmax/argmin return the first occurrence.
+        rows = np.pad(live, (0, size * buckets - n), mode="edge").reshape(buckets, size)
+        start = np.arange(buckets, dtype=np.int64) * size
+        keep += [np.minimum(start + rows.argmax(axis=1), n - 1), np.minimum(start + rows.argmin(axis=1), n - 1)]
+    return np.unique(np.concatenate(keep))
+
+
+def _series(timeline: Timeline, max_points: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """x (seconds), kept event indices, and bytes by category: a baseline point at t=0, then each kept event.
+
+    Equal to ``timeline.live_by_category()`` at the kept indices, but sums the events between kept indices in
+    one ``bincount`` instead of eight full cumulative sums (5x faster on 10^6 events, and no 64 MB of series).
+    """
+    idx = decimate(timeline, max_points)
+    time, cat = timeline.time, timeline.column("category").astype(np.int64)
+    t0 = min(0.0, float(time[0])) if len(time) else 0.0
+    x = np.concatenate([[t0], time[idx]])
+    starts = np.zeros(len(time), dtype=np.int64)
+    starts[idx[:-1] + 1] = 1  # idx is sorted and unique
+    segment = np.cumsum(starts)  # event j first counts at kept point segment[j]
+    k = len(CATEGORIES)
+    # float64 sums of integer bytes are exact below 2**53 (8 PiB).
+    sums = np.bincount(segment * k + cat, weights=timeline.signed_bytes, minlength=len(idx) * k)
+    steps = np.cumsum(sums[: len(idx) * k].reshape(len(idx), k), axis=0).astype(np.int64)
+    base = timeline.baseline_by_category
+    by_cat = {c: base[c] + np.concatenate([[0], steps[:, i]]) for i, c in enumerate(CATEGORIES)}
+    return x, idx, by_cat
+
+
+def _nonzero_categories(timeline: Timeline) -> list[str]:
+    """Categories whose live bytes are ever non-zero: a baseline, or any event of non-zero size."""
+    sized = np.bincount(timeline.column("category"), weights=timeline.column("bytes") > 0, minlength=len(CATEGORIES))
+    base = timeline.baseline_by_category
+    return [c for i, c in enumerate(CATEGORIES) if base[c] or sized[i]]
+
+
+def _phase_spans(timeline: Timeline) -> list[tuple[str, float, float]]:
+    """Runs of one phase as (phase, start, end); binned to at most ``_MAX_PHASE_SPANS`` when there are more."""
+    phase, time = timeline.column("phase").astype(np.int64), timeline.time
+    if len(phase) == 0:
+        return []
+    change = np.flatnonzero(np.diff(phase)) + 1
+    if len(change) < _MAX_PHASE_SPANS:
+        starts = np.concatenate([[0], change])
+        ends = np.append(time[change], time[-1])
+        return [(PHASES[phase[s]], float(time[s]), float(e)) for s, e in zip(starts, ends, strict=True)]
+    # Too many runs to draw: take the most frequent phase in each of _MAX_PHASE_SPANS equal time bins.
+    t0, t1, k, p = float(time[0]), float(time[-1]), _MAX_PHASE_SPANS, len(PHASES)
+    bins = np.clip(((time - t0) / max(t1 - t0, 1e-12) * k).astype(np.int64), 0, k - 1)
+    counts = np.bincount(bins * p + phase, minlength=k * p).reshape(k, p)
+    filled = np.maximum.accumulate(np.where(counts.any(axis=1), np.arange(k), 0))  # empty bins keep the last phase
+    dom = counts.argmax(axis=1)[filled]
+    edges = t0 + (t1 - t0) * np.arange(k + 1) / k
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(dom)) + 1, [k]])
+    return [(PHASES[dom[a]], float(edges[a]), float(edges[b])) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def timeline_figure(
+    timeline: Timeline,
+    *,
+    title: str | None = None,
+    max_points: int = 4000,
+    unit: Unit = "MiB",
+    show_phases: bool = True,
+) -> go.Figure:
+    """Live memory over time, stacked by category, with the peak marked and the phases shaded.
+
+    One filled step trace per category that is ever non-zero (in ``CATEGORIES`` order, bottom first) and a
+    thin ``total`` line; hover shows every category at that time. The first point is the baseline at t=0,
+    then one point per event kept by :func:`decimate`, so a 10^6-event timeline stays a figure of < 1 MB
+    that draws the exact peak; in exchange, blips shorter than a bucket may be drawn lower than they were.
+
+    Example:
+        >>> with memkit.track(model, optimizer=opt, inputs=x) as tl:
+        ...     step()
+        >>> memkit.plots.timeline_figure(tl, unit="GiB").show()
+    """
+    div = _divisor(unit)
+    x, _, by_cat = _series(timeline, max_points)
+    x32 = x.astype(np.float32)  # a third smaller figure; float32 still resolves 8 µs at t = 100 s
+    fig = go.Figure()
+    for cat in _nonzero_categories(timeline):
+        color = CATEGORY_COLORS[cat]
+        style = {"stackgroup": "memory", "fillcolor": color, "line": {"width": 0.5, "color": color}}
+        fig.add_trace(_step(x32, by_cat[cat] / div, cat, unit, legendgroup="category", **style))
+    fig.add_trace(_step(x32, sum(by_cat.values()) / div, "total", unit, line={"width": 1, "color": "#333"}))
+    peak, t_peak = timeline.peak_bytes, timeline.peak_time
+    marker = {"symbol": "diamond", "size": 10, "color": "#111", "line": {"width": 1, "color": "white"}}
+    fig.add_trace(go.Scatter(x=[t_peak], y=[peak / div], name="peak", mode="markers", marker=marker, showlegend=False))
+    fig.add_annotation(
+        x=t_peak,
+        y=peak / div,
+        text=f"peak {_fmt(peak / div, unit)} ({peak:,} B)<br>at {t_peak:.4g} s",
+        arrowhead=2,
+        ax=40,
+        ay=-36,
+        bgcolor="rgba(255,255,255,0.85)",
+    )
+    spans = _phase_spans(timeline) if show_phases else []
+    if len({name for name, _, _ in spans}) > 1:
+        first = {name: i for i, (name, _, _) in reversed(list(enumerate(spans)))}
+        rect = {"type": "rect", "xref": "x", "yref": "paper", "y0": 0, "y1": 1, "layer": "below", "line_width": 0}
+        shapes = []
+        for i, (name, t0, t1) in enumerate(spans):
+            # The stacked area reverses the legend: higher ranks list first (forward, backward, ...).
+            legend = {"name": name, "legendgroup": "phase", "legendrank": 100 - PHASES.index(name)}
+            legend["showlegend"] = first[name] == i
+            shapes.append({**rect, **legend, "x0": t0, "x1": t1, "fillcolor": PHASE_COLORS[name]})
+        fig.update_layout(shapes=shapes)  # one update: add_shape per span is quadratic
+    fig.update_layout(
+        title=title or timeline.meta.get("label") or "Memory over the step",
+        xaxis_title="time (s)",
+        yaxis_title=f"live memory ({unit})",
+        hovermode="x unified",
+        legend_tracegroupgap=6,
+        **_LAYOUT,
+    )
+    return fig
+
+
+def _results(comparison: Any) -> list[tuple[str, Timeline, bool]]:
+    rows = []
+    for name, result in comparison.results.items():
+        if result.timeline is None:
+            raise ValueError(f"variant {name!r} has no timeline; comparison_figure needs a tracked step per variant")
+        rows.append((name, result.timeline, bool(getattr(result, "passed", True))))
+    if not rows:
+        raise ValueError("comparison.results is empty")
+    return rows
+
+
+def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 2000) -> go.Figure:
+    """Baseline against variants: peak by category (stacked bars) and the total over normalized step time.
+
+    Left: one stacked bar per variant of its peak by category, its total on top and the change vs the baseline
+    in %. Right: each variant's ``live_bytes`` total over time scaled to 0..1 so step shapes line up whatever
+    their speed (each decimated with ``max_points``, so absolute time is lost; see :func:`timeline_figure`).
+    ``comparison`` is a :class:`memkit.compare.Comparison` or anything with ``results`` (name -> result with a
+    ``timeline``, baseline first) and ``baseline`` (a name).
+
+    Example:
+        >>> cmp = memkit.compare(model, inputs, variants={"ckpt": [memkit.Checkpointing(every=2)]})
+        >>> memkit.plots.comparison_figure(cmp, unit="GiB").show()
+    """
+    div = _divisor(unit)
+    rows = _results(comparison)
+    names = [name for name, _, _ in rows]
+    baseline = getattr(comparison, "baseline", names[0])
+    peaks = [tl.peak_by_category() for _, tl, _ in rows]
+    base_peak = sum(peaks[names.index(baseline)].values()) if baseline in names else sum(peaks[0].values())
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.42, 0.58],
+        horizontal_spacing=0.1,
+        subplot_titles=(f"peak by category ({unit})", f"live memory over the step ({unit})"),
+    )
+    for cat in CATEGORIES:
+        values = np.array([p[cat] for p in peaks], dtype=np.float64) / div
+        if values.any():
+            hover = f"%{{y:,.3f}} {unit}<extra>{cat}</extra>"
+            color, rank = CATEGORY_COLORS[cat], 100 - CATEGORIES.index(cat)  # legend top-down as they stack
+            bar = go.Bar(x=names, y=values, name=cat, marker_color=color, hovertemplate=hover, legendrank=rank)
+            fig.add_trace(bar, 1, 1)
+    for (name, _, passed), peak in zip(rows, peaks, strict=True):
+        total = sum(peak.values())
+        change = "baseline" if name == baseline or not base_peak else f"{(total / base_peak - 1):+.1%} vs baseline"
+        text = f"<b>{_fmt(total / div, unit)}</b><br>{change}" + ("" if passed else "<br>✗ outside tolerance")
+        fig.add_annotation(x=name, y=total / div, text=text, showarrow=False, yanchor="bottom", row=1, col=1)
+    for i, (name, tl, _) in enumerate(rows):
+        x, _, by_cat = _series(tl, max_points)
+        end = x[-1] - x[0]
+        xn = ((x - x[0]) / end if end > 0 else np.linspace(0.0, 1.0, len(x))).astype(np.float32)
+        color = "#333" if name == baseline else _VARIANT_COLORS[(i - 1) % len(_VARIANT_COLORS)]
+        line = {"color": color, "width": 2 if name == baseline else 1.5}
+        fig.add_trace(_step(xn, sum(by_cat.values()) / div, name, unit, line=line, legendrank=200 + i), 1, 2)
+    mode = getattr(comparison, "mode", None)
+    title = f"Memory: {baseline!r} vs variants" + (f" ({mode})" if mode else "")
+    fig.update_layout(title=title, barmode="stack", hovermode="closest", legend_traceorder="normal", **_LAYOUT)
+    top = max(sum(p.values()) for p in peaks) / div
+    fig.update_yaxes(title_text=unit, range=[0, 1.25 * top or 1], row=1, col=1)  # room for the annotations
+    fig.update_xaxes(type="category", row=1, col=1)
+    fig.update_xaxes(title_text="step progress (0 = start, 1 = end)", range=[0, 1], row=1, col=2)
+    return fig
+
+
+def categories_figure(timeline: Timeline, *, unit: Unit = "MiB") -> go.Figure:
+    """Horizontal bars of the bytes live at the peak, by category (the non-zero ones), with their share.
+
+    Example:
+        >>> with memkit.track(model, inputs=x) as tl:
+        ...     model(x)
+        >>> memkit.plots.categories_figure(tl).show()
+    """
+    div = _divisor(unit)
+    peak = {c: v for c, v in timeline.peak_by_category().items() if v}
+    total = sum(peak.values()) or 1
+    fig = go.Figure(
+        go.Bar(
+            x=[v / div for v in peak.values()],
+            y=list(peak),
+            orientation="h",
+            marker_color=[CATEGORY_COLORS[c] for c in peak],
+            text=[f"{_fmt(v / div, unit)} ({100 * v / total:.0f}%)" for v in peak.values()],
+            textposition="outside",
+            cliponaxis=False,
+            hovertemplate=f"%{{y}}: %{{x:,.3f}} {unit}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=f"At the peak: {_fmt(timeline.peak_bytes / div, unit)}",
+        xaxis_title=unit,
+        yaxis={"autorange": "reversed"},
+        xaxis_range=[0, 1.35 * max(peak.values(), default=1) / div],  # room for the labels
+        height=max(220, 60 + 40 * len(peak)),
+        **_LAYOUT,
+    )
+    return fig

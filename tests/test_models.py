@@ -1,0 +1,333 @@
+"""Presets build deterministic models, inputs fit them, every parameter learns, full sizes match the releases."""
+
+from __future__ import annotations
+
+import functools
+
+import diffusers
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+from memkit.models import PRESETS, SIZES, Preset, load_model, make_inputs, model_output, preset_of, train_step
+
+NAMES = list(PRESETS)
+
+# Parameter counts of the released models, from their model cards and papers.
+PUBLISHED = {
+    "flux": 11.9e9,  # FLUX.1-dev
+    "sd3": 2.0e9,  # Stable Diffusion 3 Medium, "2B"
+    "ltx-video": 1.9e9,  # LTX-Video 0.9 (the "2B" checkpoints)
+    "wan": 14e9,  # Wan2.1-T2V-14B
+    "unet": 860e6,  # Stable Diffusion 1.5 UNet
+    "pixart": 0.6e9,  # PixArt-Sigma XL-2
+    "dit": 675e6,  # DiT-XL/2 (paper); diffusers duplicates an embedder per block, see below
+}
+
+# Parameters that get no gradient by construction of the released architecture, not by a bug of the preset.
+NO_GRAD = {
+    # SD3's last joint block is "context_pre_only": its text-stream output is dropped, so the text queries of
+    # that block feed nothing. SD3 Medium ships the same dead weights.
+    "sd3": {"transformer_blocks.1.attn.add_q_proj.weight", "transformer_blocks.1.attn.add_q_proj.bias"},
+}
+
+# Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
+PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16}
+FRAME_STEP = {"ltx-video": 8, "wan": 4}
+
+
+def expected_output_shape(name: str, config, batch: int, height: int, width: int, frames: int = 1) -> tuple:
+    """The output contract: the input latent's shape, with DiT/PixArt predicting a variance too (8 channels)."""
+    h, w = height // 8, width // 8
+    if name == "flux":  # 2x2 latent pixels packed into one token
+        return (batch, (h // 2) * (w // 2), config.in_channels)
+    if name == "ltx-video":  # 32x spatial, 8x temporal VAE, tokens packed
+        return (batch, ((frames - 1) // 8 + 1) * (height // 32) * (width // 32), config.out_channels)
+    if name == "wan":
+        return (batch, config.out_channels, (frames - 1) // 4 + 1, h, w)
+    return (batch, config.out_channels, h, w)
+
+
+def latent_input(inputs: dict) -> torch.Tensor:
+    return inputs["sample"] if "sample" in inputs else inputs["hidden_states"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP's spin-waiting made a tiny
+    # UNet step take seconds instead of 50 ms.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def cached_tiny(name: str) -> torch.nn.Module:
+    return load_model(name)
+
+
+def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
+    sa = a.state_dict() if isinstance(a, torch.nn.Module) else a
+    sb = b.state_dict() if isinstance(b, torch.nn.Module) else b
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ------------------------------------------------------------------------------------------------------ presets
+
+
+def test_presets_cover_every_size_with_a_diffusers_class():
+    assert NAMES == ["flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit"]
+    for name, preset in PRESETS.items():
+        assert isinstance(preset, Preset) and preset.name == name
+        assert hasattr(diffusers, preset.model_class)
+        assert set(preset.configs) == set(preset.input_sizes) == set(SIZES)
+        assert preset.description and "\n" not in preset.description
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_builds_deterministically_without_touching_global_rng(name):
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    model = load_model(name, seed=0)
+    assert torch.equal(torch.rand(3), expected_draw)
+
+    assert model.training and preset_of(model) == name
+    assert sum(p.numel() for p in model.parameters()) < 300_000
+    assert states_equal(model, load_model(name, seed=0))
+    assert not states_equal(model, load_model(name, seed=1))
+    assert all(p.any() for p in model.parameters()), "zero-initialised parameters are refilled"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_train_step_reaches_every_parameter_and_keeps_the_latent_shape(name):
+    model = load_model(name)
+    inputs = make_inputs(model, batch_size=2)
+    loss = train_step(model, inputs)
+
+    assert loss.ndim == 0 and torch.isfinite(loss) and not loss.requires_grad
+    missing = {k for k, p in model.named_parameters() if p.grad is None or not p.grad.any()}
+    nonfinite = {k for k, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()}
+    print(f"{name}: no gradient for {sorted(missing)}; non-finite for {sorted(nonfinite)}")
+    assert missing == NO_GRAD.get(name, set())
+    assert not nonfinite
+
+    sizes = PRESETS[name].input_sizes["tiny"]
+    out = model_output(model(**inputs))
+    frames = sizes.get("frames", 1)
+    assert out.shape == expected_output_shape(name, model.config, 2, sizes["height"], sizes["width"], frames)
+    if name not in ("pixart", "dit"):
+        assert out.shape == latent_input(inputs).shape
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_builds_bfloat16_params_and_inputs(name):
+    model = load_model(name, dtype=torch.bfloat16)
+    assert torch.get_default_dtype() == torch.float32
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    inputs = make_inputs(model)
+    floats = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert floats and {t.dtype for t in floats} == {torch.bfloat16}
+    assert torch.isfinite(train_step(model, inputs))
+
+
+FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet, 256x256 DiT, two videos
+    "flux": (1, 64 * 64, 64),
+    "sd3": (1, 16, 128, 128),
+    "ltx-video": (1, 6 * 15 * 22, 128),  # 41 frames x 480 x 704 px
+    "wan": (1, 16, 5, 60, 104),  # 17 frames x 480 x 832 px
+    "unet": (1, 4, 64, 64),
+    "pixart": (1, 4, 128, 128),
+    "dit": (1, 4, 32, 32),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_size_matches_the_release_without_allocating(name):
+    with FakeTensorMode():
+        model = load_model(name, "full", dtype=torch.bfloat16)
+        inputs = make_inputs(model)
+    assert all(is_fake(p) for p in model.parameters())
+    count = sum(p.numel() for p in model.parameters())
+    if name == "dit":
+        # diffusers' DiT gives each block its own timestep+class embedder; the paper shares one.
+        per_block = sum(p.numel() for p in model.transformer_blocks[0].norm1.emb.parameters())
+        count -= (len(model.transformer_blocks) - 1) * per_block
+    assert count == pytest.approx(PUBLISHED[name], rel=0.03)
+
+    latent = latent_input(inputs)
+    assert is_fake(latent) and latent.dtype == torch.bfloat16
+    assert tuple(latent.shape) == FULL_LATENTS[name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_small_size_has_30_to_100m_parameters(name):
+    with FakeTensorMode():
+        model = load_model(name, "small")
+    assert 30e6 <= sum(p.numel() for p in model.parameters()) <= 100e6
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_and_backward_run_under_fake_mode(name):
+    with FakeTensorMode():
+        model = load_model(name)
+        out = model_output(model(**make_inputs(model)))
+        out.float().pow(2).mean().backward()
+        assert all(is_fake(p.grad) for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_save_pretrained_round_trip(name, tmp_path):
+    model = load_model(name, seed=3)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    assert type(loaded) is type(model) and loaded.training
+    assert states_equal(model, loaded)
+    assert preset_of(loaded) == name
+    a, b = make_inputs(model), make_inputs(loaded)  # tiny defaults recovered from the config
+    assert torch.equal(latent_input(a), latent_input(b))
+    assert torch.equal(model_output(model(**a)), model_output(loaded(**b)))
+    # diffusers' own from_pretrained(torch_dtype=bfloat16) gives float32 SD3 weights and refuses Wan here.
+    assert {p.dtype for p in load_model(str(tmp_path), dtype=torch.bfloat16).parameters()} == {torch.bfloat16}
+
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    model = load_model("flux", seed=5)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert states_equal(model, load_model(tmp_path))
+
+
+def test_preset_found_by_class_for_a_model_not_built_by_memkit():
+    model = diffusers.DiTTransformer2DModel(**PRESETS["dit"].configs["tiny"])
+    assert preset_of(model) == "dit"
+    assert latent_input(make_inputs(model)).shape == (1, 4, 4, 4)  # tiny defaults: the config matches
+
+
+# ------------------------------------------------------------------------------------------------------ inputs
+
+
+def test_make_inputs_is_deterministic_and_leaves_global_rng_alone():
+    model = cached_tiny("flux")
+    torch.manual_seed(7)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(7)
+    a, b, c = make_inputs(model, seed=1), make_inputs(model, seed=1), make_inputs(model, seed=2)
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert not torch.equal(a["hidden_states"], c["hidden_states"])
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    name=st.sampled_from(NAMES),
+    batch=st.integers(1, 3),
+    h_steps=st.integers(1, 4),
+    w_steps=st.integers(1, 4),
+    f_steps=st.integers(0, 2),
+)
+def test_output_shape_follows_requested_sizes(name, batch, h_steps, w_steps, f_steps):
+    model = cached_tiny(name)
+    height, width = h_steps * PIXEL_STEP[name], w_steps * PIXEL_STEP[name]
+    if name == "dit":  # diffusers' DiT unpatchifies square latents only
+        width = height
+    sizes = {"height": height, "width": width}
+    frames = 1
+    if name in FRAME_STEP:
+        frames = sizes["frames"] = f_steps * FRAME_STEP[name] + 1
+    inputs = make_inputs(model, batch_size=batch, **sizes)
+    with torch.no_grad():
+        out = model_output(model(**inputs))
+    assert out.shape == expected_output_shape(name, model.config, batch, height, width, frames)
+
+
+# ------------------------------------------------------------------------------------------------------ step
+
+
+def test_train_step_accumulates_without_optimizer_and_frees_grads_with_one():
+    model = load_model("pixart")
+    inputs = make_inputs(model)
+    train_step(model, inputs)
+    first = {k: p.grad.clone() for k, p in model.named_parameters()}
+    train_step(model, inputs)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * first[k])
+
+    model.zero_grad(set_to_none=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train_step(model, inputs, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(p.grad is None for p in model.parameters())
+    assert not states_equal(before, model)
+
+
+def test_model_output_finds_the_tensor():
+    t = torch.ones(2)
+    assert model_output(t) is t
+    assert model_output((t,)) is t
+    assert model_output({"sample": t}) is t
+    assert model_output(diffusers.models.modeling_outputs.Transformer2DModelOutput(sample=t)) is t
+    with pytest.raises(TypeError):
+        model_output(object())
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+
+
+def test_bad_load_arguments_are_named():
+    with pytest.raises(ValueError, match=r"flux.*dit.*folder"):
+        load_model("not-a-preset")
+    with pytest.raises(ValueError, match=r"size.*tiny.*small.*full"):
+        load_model("flux", "huge")
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("flux", dtype=torch.int64)
+    with pytest.raises(TypeError, match="dtype"):
+        load_model("flux", dtype="float32")
+
+
+def test_folder_without_diffusers_files_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)
+    cached_tiny("dit").save_config(tmp_path)
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
+    def boom(**config):
+        raise RuntimeError("construction failed")
+
+    monkeypatch.setattr(diffusers, "FluxTransformer2DModel", boom)
+    with pytest.raises(RuntimeError, match="construction failed"):
+        load_model("flux", dtype=torch.bfloat16)
+    assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("name", "sizes", "named"),
+    [
+        ("flux", {"depth": 3}, r"depth.*height, width, text_len"),
+        ("dit", {"text_len": 8}, r"text_len.*height, width"),
+        ("flux", {"height": 40}, "height"),
+        ("sd3", {"width": 24}, "width"),
+        ("sd3", {"height": 1024}, "height"),  # beyond the tiny position embedding
+        ("ltx-video", {"width": 48}, "width"),
+        ("ltx-video", {"frames": 10}, "frames"),
+        ("wan", {"frames": 6}, "frames"),
+        ("unet", {"text_len": 0}, "text_len"),
+        ("pixart", {"height": 32.0}, "height"),
+        ("dit", {"height": 32, "width": 64}, "height=32 and width=64"),
+    ],
+)
+def test_bad_sizes_are_named(name, sizes, named):
+    with pytest.raises(ValueError, match=named):
+        make_inputs(cached_tiny(name), **sizes)
+
+
+def test_bad_batch_size_and_unknown_model_class_are_named():
+    with pytest.raises(ValueError, match="batch_size"):
+        make_inputs(cached_tiny("wan"), batch_size=0)
+    with pytest.raises(ValueError, match="Linear"):
+        preset_of(torch.nn.Linear(2, 2))
