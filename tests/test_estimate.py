@@ -60,3 +60,35 @@ def test_estimate_bad_input():
         memkit.estimate("flux", size="tiny", steps=0)
     with pytest.raises(ValueError, match="device"):
         memkit.estimate("flux", size="tiny", device="tpu")
+
+
+@pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
+def test_estimate_equals_real_tracked_peak_for_every_small_preset(preset):
+    model = memkit.load_model(preset, "small")
+    inputs = memkit.make_inputs(model)
+    with memkit.track(model, inputs=inputs) as real:
+        memkit.train_step(model, inputs)
+    del model, inputs
+    est = memkit.estimate(preset, size="small")
+    assert est.peak_bytes == real.peak_bytes
+    assert est.peak_by_category() == real.peak_by_category()
+
+
+def test_steps_count_state_that_lives_across_steps():
+    one = memkit.estimate("dit", size="tiny", optimizer="adamw", steps=1)
+    two = memkit.estimate("dit", size="tiny", optimizer="adamw", steps=2)
+    params = one.baseline_by_category["parameter"]
+    # AdamW keeps two moments per parameter (and a step counter): in the baseline of the second step only
+    assert one.baseline_by_category["optimizer_state"] == 0
+    assert two.baseline_by_category["optimizer_state"] >= 2 * params
+    no_opt = memkit.estimate("dit", size="tiny", optimizer=None, steps=2)
+    # without an optimizer the gradients of step 1 are still there when step 2 starts
+    assert no_opt.baseline_by_category["gradient"] > 0
+
+
+def test_cuda_estimate_rounds_every_block_to_512_bytes():
+    tl = memkit.estimate("flux", size="tiny", device="cuda")
+    sizes = tl.column("bytes")
+    assert len(sizes) and (sizes % 512 == 0).all()
+    assert tl.peak_bytes > memkit.estimate("flux", size="tiny", device="cpu").peak_bytes
+    assert tl.devices == ["cuda"]
