@@ -208,3 +208,33 @@ def test_state_restored_after_track_no_hooks_left():
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     assert _get_current_dispatch_mode() is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is missing")
+def test_cuda_history_on_a_cpu_machine_is_a_clear_error_or_silently_off():
+    from memkit.memory import CudaHistoryError
+
+    with pytest.raises(CudaHistoryError, match="CUDA"):
+        with track(cuda_history=True):
+            pass
+    with track() as tl:  # the default: off where there is no CUDA
+        torch.empty(4)
+    assert "cuda" not in tl.meta and len(tl) == 2
+
+
+def test_track_records_cuda_history_when_asked(monkeypatch):
+    import memkit.memory.tracker as tracker_module
+
+    calls = []
+    snapshot = memkit.Timeline(columns={}, meta={"reserved_bytes": {"cuda:0": 2 << 20}})
+
+    class FakeHandle:
+        def remove(self):
+            calls.append("stop")
+
+    monkeypatch.setattr(tracker_module, "record_cuda_history", lambda n: calls.append(("start", n)) or FakeHandle())
+    monkeypatch.setattr(tracker_module, "cuda_snapshot", lambda: calls.append("snapshot") or snapshot)
+    with track(cuda_history=True, max_entries=500) as tl:
+        pass
+    assert calls == [("start", 500), "snapshot", "stop"]
+    assert tl.meta["cuda"] is snapshot

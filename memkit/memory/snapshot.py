@@ -1,5 +1,5 @@
 """CUDA memory snapshots: read the pickles of ``torch.cuda.memory._dump_snapshot()`` into a :class:`Timeline`,
-write a Timeline as one (for pytorch.org/memory_viz), and record one on a CUDA machine.
+and write a Timeline as one (for pytorch.org/memory_viz). Recording one on a CUDA machine: ``cuda.py``.
 
 A snapshot is ``{"segments": [...], "device_traces": [[...], ...], ...}``: the allocator's segments and blocks
 when it was taken, and per device the last ``max_entries`` allocator actions. Conventions, following torch's
@@ -38,49 +38,33 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from itertools import chain, repeat
+from itertools import repeat
 from operator import itemgetter
 from typing import IO, Any
 
 import numpy as np
 
-from ..handle import Handle
 from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, FREE, PHASE_CODE, PHASES, check_category
 from .timeline import Timeline
 
-__all__ = [
-    "CudaHistoryError",
-    "SnapshotError",
-    "cuda_history_available",
-    "cuda_snapshot",
-    "load_snapshot",
-    "read_snapshot",
-    "record_cuda_history",
-    "write_snapshot",
-]
+__all__ = ["SnapshotError", "load_snapshot", "read_snapshot", "write_snapshot"]
 
 MARKER_FILENAME = "memkit"
-STACK_FRAMES = 8  # innermost frames kept as a Timeline frame text
+STACK_FRAMES = 8  # innermost frames kept as a Timeline frame text, as the tracker keeps
+_ACTIONS = {"alloc": 0, "free_requested": 1, "free_completed": 2}
 _LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awaiting_free"))
 # torch.profiler's memory categories (``_profile_to_snapshot`` writes them) -> memkit's
 _FOREIGN_CATEGORY = {**{c: CATEGORY_CODE[c] for c in CATEGORIES}, "autograd_detail": CATEGORY_CODE["temporary"]}
 _CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh")
 _FRAME_LINE = re.compile(r"^(.*):(\d+) (.*)$")
+_MIX = np.random.default_rng(0x6D656D6B6974).integers(1, 2**63, size=16, dtype=np.uint64) | np.uint64(1)
+_BLOCK_ALIGN = 512  # the caching allocator's smallest block
 _SEGMENT_ALIGN = 2 << 20  # large segments are multiples of 2 MiB
-_BLOCK_ALIGN = 512
-_ACTIONS = {"alloc": 0, "free_requested": 1, "free_completed": 2}
-_MIX = np.random.default_rng(0x6D656D6B6974).integers(1, 2**63, size=16, dtype=np.uint64) | np.uint64(
-    1
-)  # the caching allocator's smallest block
 _ADDRESS_BASE = 0x7F0000000000
 
 
 class SnapshotError(ValueError):
     """The input is not a readable CUDA memory snapshot (crafted, truncated, corrupted, or another pickle)."""
-
-
-class CudaHistoryError(RuntimeError):
-    """CUDA allocator history cannot be recorded here (no GPU, a CPU build of torch, or an old torch)."""
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
@@ -187,46 +171,44 @@ class _Frames:
         self._op_index = {o: i for i, o in enumerate(ops)}
         self._text_index = {t: i for i, t in enumerate(texts)}
 
-    def codes(self, stacks: list) -> np.ndarray:
-        """(n, 4) int array of category (-1: none), phase (-1), op (-1) and frame (-1) codes."""
+    def codes(self, stacks: list, *, with_text: bool = True) -> np.ndarray:
+        """(n, 4) int array of category (-1: none), phase (-1), op (-1) and frame text (-1) codes.
+
+        The text is the innermost Python frames among the first ``STACK_FRAMES + 1`` (the whole stack when
+        C++ frames come first, ``stacks="all"``); ``with_text=False`` reads only memkit's marker.
+        """
         n = len(stacks)
-        out = np.full((n, 4), -1, dtype=np.int64)
         if n == 0:
-            return out
+            return np.full((0, 4), -1, dtype=np.int64)
         if None in stacks:
             stacks = [s or () for s in stacks]
-        # Torch shares frame dicts between stacks, so the ids of a stack's innermost frames identify what we
-        # keep of it; a hash of them, computed in numpy, finds the distinct stacks without a Python loop per
-        # event. With C++ frames (stacks="all") the Python frames come deeper: the whole stack is the key.
-        deep = any(isinstance(f, Mapping) and _is_cpp(f) for s in stacks[:200] for f in s)
-        cut = None if deep else STACK_FRAMES + 1
-        lens = np.fromiter(map(len, stacks), dtype=np.int64, count=n)
-        if cut:
-            lens = np.minimum(lens, cut)
-        total = int(lens.sum())
-        if total == 0:
-            return out
-        pieces = map(itemgetter(slice(0, cut)), stacks) if cut else stacks
-        ids = np.fromiter(map(id, chain.from_iterable(pieces)), dtype=np.uint64, count=total)
-        starts = np.cumsum(lens) - lens
-        position = np.arange(total) - np.repeat(starts, lens)
-        mixed = ids * _MIX[position % len(_MIX)]
-        mixed ^= mixed >> np.uint64(29)
-        key = np.zeros(n, dtype=np.uint64)
-        nonempty = lens > 0
-        key[nonempty] = np.add.reduceat(mixed, starts[nonempty])
-        key ^= lens.astype(np.uint64) * _MIX[0]
-        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        table = np.array([self.decode(stacks[i][:cut]) for i in first.tolist()], dtype=np.int64)
+        deep = with_text and any(isinstance(f, Mapping) and _is_cpp(f) for s in stacks[:200] for f in s)
+        cut = None if deep else (STACK_FRAMES + 1 if with_text else 1)
+        # memkit and torch's profiler conversion share one list between the entries of the same stack
+        list_ids = np.fromiter(map(id, stacks), dtype=np.uint64, count=n)
+        _, first, inverse = np.unique(list_ids, return_index=True, return_inverse=True)
+        if len(first) > n // 4:
+            # Torch shares the frame dicts instead: the ids of the frames we keep identify a stack. Hash them
+            # column by column in numpy; a Python loop per entry would cost more than the unpickling.
+            lens = np.fromiter(map(len, stacks), dtype=np.int64, count=n)
+            if cut:
+                lens = np.minimum(lens, cut)
+            key = lens.astype(np.uint64) * _MIX[0]
+            for p in range(int(lens.max())):
+                rows = np.flatnonzero(lens > p)
+                sub = stacks if len(rows) == n else list(map(stacks.__getitem__, rows.tolist()))
+                col = np.fromiter(map(id, map(itemgetter(p), sub)), dtype=np.uint64, count=len(rows))
+                col *= _MIX[(p + 1) % len(_MIX)]
+                col ^= col >> np.uint64(29)
+                key[rows] += col
+            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        table = np.array([self.decode(stacks[i][:cut], with_text) for i in first.tolist()], dtype=np.int64)
         return table[inverse.reshape(-1)]
 
-    def decode(self, stack) -> tuple[int, int, int, int]:
-        return self._decode(stack) if stack else (-1, -1, -1, -1)
-
-    def _decode(self, stack) -> tuple[int, int, int, int]:
+    def decode(self, stack, with_text: bool = True) -> tuple[int, int, int, int]:
         category = phase = op = -1
         real = []
-        for f in stack:
+        for f in stack or ():
             if not isinstance(f, Mapping):
                 continue
             if f.get("filename") == MARKER_FILENAME:
@@ -235,7 +217,7 @@ class _Frames:
                 phase = PHASE_CODE.get(fields.get("phase", ""), -1)
                 if "op" in fields:
                     op = self._intern(fields["op"], self.ops, self._op_index)
-            else:
+            elif with_text:
                 real.append(f)
         top = ([f for f in real if not _is_cpp(f)] or real)[:STACK_FRAMES]
         text = "\n".join(_frame_line(f) for f in reversed(top))  # outermost first, like the tracker
@@ -271,8 +253,9 @@ def _bad_entry(trace: list, device: int) -> str:
     return f"device_traces[{device}] holds a malformed entry"
 
 
-def _device_events(trace: list, device: int, frames: _Frames) -> tuple[dict[str, np.ndarray], str]:
-    """One device's alloc and free events as arrays, in trace order."""
+def _device_events(trace: list, device: int, frames: _Frames, free_text: bool) -> tuple[dict[str, np.ndarray], str]:
+    """One device's alloc and free events as arrays, in trace order. A free keeps its stack text only when
+    ``free_text`` (memkit's snapshots); in torch's it is where the tensor died, which the tracker doesn't record."""
     # C-level map/itemgetter pipelines: at 10^6 entries, a Python loop per entry would cost more than unpickling
     try:
         act = np.fromiter(map(_ACTIONS.get, map(itemgetter("action"), trace), repeat(-1)), np.int8, len(trace))
@@ -291,14 +274,18 @@ def _device_events(trace: list, device: int, frames: _Frames) -> tuple[dict[str,
             time_us = np.full(n, np.nan)
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
         raise SnapshotError(f"not a CUDA memory snapshot: {_bad_entry(trace, device)}") from e
-    codes = frames.codes(stacks)
+    codes = np.empty((n, 4), dtype=np.int64)
+    is_alloc = act[keep] == 0
+    for rows, with_text in ((np.flatnonzero(is_alloc), True), (np.flatnonzero(~is_alloc), free_text)):
+        picked = stacks if len(rows) == n else list(map(stacks.__getitem__, rows.tolist()))
+        codes[rows] = frames.codes(picked, with_text=with_text)
     category = codes[:, 0]
     if foreign.count(None) != n:
         named = np.array([_FOREIGN_CATEGORY.get(c, -1) if isinstance(c, str) else -1 for c in foreign], np.int64)
         category = np.where(category >= 0, category, named)
     cols = {
         "time": time_us,
-        "action": np.where(act[keep] == 0, ALLOC, FREE).astype(np.int8),
+        "action": np.where(is_alloc, ALLOC, FREE).astype(np.int8),
         "bytes": size,
         "category": category,
         "phase": codes[:, 1],
@@ -369,34 +356,66 @@ def _header(data: Mapping) -> dict:
     return header if isinstance(header, dict) and header.get("version") == 1 else {}
 
 
+def _events(traces: list, frames: _Frames, header: dict) -> tuple[dict[str, np.ndarray], dict[int, str], str]:
+    """Every device's events in time order (trace order when there are no times), times relative."""
+    per_device, free_actions = [], {}
+    for d, trace in enumerate(traces):
+        if trace:
+            cols, free_actions[d] = _device_events(trace, d, frames, free_text=bool(header))
+            per_device.append(cols)
+    if not per_device:
+        return {name: np.zeros(0, dtype=np.float64 if name == "time" else np.int64) for name, _ in COLUMNS}, {}, "s"
+    cols = {k: np.concatenate([c[k] for c in per_device]) for k in per_device[0]}
+    t = cols["time"]
+    if np.isnan(t).any():
+        cols["time"] = np.arange(len(t), dtype=np.float64)
+        return cols, free_actions, "event"
+    if len(per_device) > 1:
+        order = np.argsort(t, kind="stable")
+        cols = {k: v[order] for k, v in cols.items()}
+    zero = header.get("time_zero_us")
+    zero = float(zero) if isinstance(zero, (int, float)) else float(cols["time"].min())
+    cols["time"] = (cols["time"] - zero) / 1e6
+    return cols, free_actions, "s"
+
+
+def _segments_state(data, live_from_trace, frames, default, granularity) -> tuple[np.ndarray, dict[str, dict]]:
+    """Bytes by category of the live blocks that no trace alloc explains, and per-device totals."""
+    baseline = np.zeros(len(CATEGORIES), dtype=np.int64)
+    totals: dict[str, dict[int, int]] = {k: {} for k in ("reserved", "allocated", "live", "live_before")}
+
+    def add(kind: str, device: int, nbytes: int) -> None:
+        totals[kind][device] = totals[kind].get(device, 0) + nbytes
+
+    for s, seg in enumerate(data["segments"]):
+        try:
+            d = int(seg.get("device", 0))
+            add("reserved", d, int(seg.get("total_size", 0)))
+            address = int(seg.get("address") or 0)  # blocks tile the segment; older snapshots omit their address
+            for b in seg.get("blocks", ()):
+                block_addr = int(b.get("address", address))
+                address = block_addr + int(b["size"])
+                if b.get("state") not in _LIVE_STATES:
+                    continue
+                if b["state"] == "active_allocated":
+                    add("allocated", d, int(b["size"]))
+                nbytes = int(b.get("requested_size", b["size"]))
+                if granularity:
+                    nbytes = max(granularity, -(-nbytes // granularity) * granularity)
+                add("live", d, nbytes)
+                if (d, block_addr) not in live_from_trace:
+                    code = frames.decode(b.get("frames"), with_text=False)[0]
+                    baseline[code if code >= 0 else _FOREIGN_CATEGORY.get(b.get("category"), default)] += nbytes
+                    add("live_before", d, nbytes)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SnapshotError(f"not a CUDA memory snapshot: segments[{s}] is malformed ({e!r})") from e
+    return baseline, totals
+
+
 def _to_timeline(data: Mapping, default: int, granularity: int | None, device_names) -> Timeline:
     header = _header(data)
-    ops: list[str] = []
-    texts: list[str] = []
-    frames = _Frames(ops, texts)
-    per_device, free_actions = [], {}
-    for d, trace in enumerate(data["device_traces"]):
-        if trace:
-            cols, free_actions[d] = _device_events(trace, d, frames)
-            per_device.append(cols)
-    if per_device:
-        cols = {k: np.concatenate([c[k] for c in per_device]) for k in per_device[0]}
-    else:
-        cols = {name: np.zeros(0, dtype=np.int64 if name != "time" else np.float64) for name, _ in COLUMNS}
-    n = len(cols["action"])
-
-    # time: seconds since the first event; the index when the trace has no times
-    t = cols["time"]
-    if n and not np.isnan(t).any():
-        if len(per_device) > 1:
-            order = np.argsort(t, kind="stable")
-            cols = {k: v[order] for k, v in cols.items()}
-            t = cols["time"]
-        zero = header.get("time_zero_us")
-        zero = float(zero) if isinstance(zero, (int, float)) else float(t.min())
-        cols["time"], time_unit = (t - zero) / 1e6, "s"
-    else:
-        cols["time"], time_unit = np.arange(n, dtype=np.float64), "event"
+    frames = _Frames([], [])
+    cols, free_actions, time_unit = _events(data["device_traces"], frames, header)
     if granularity:
         cols["bytes"] = np.maximum(granularity, -(-cols["bytes"] // granularity) * granularity)
 
@@ -410,62 +429,31 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
 
     # baseline: frees of blocks allocated before the trace, plus live blocks that no trace alloc explains
     before = is_free & ~has_alloc
-    baseline = np.bincount(cat[before], weights=cols["bytes"][before], minlength=len(CATEGORIES)).astype(np.int64)
-    end_live: dict[int, int] = {}  # live bytes per device, by the segments
-    before_live: dict[int, int] = {}  # of which allocated before the trace
-    reserved: dict[int, int] = {}
-    allocated: dict[int, int] = {}
-    for s, seg in enumerate(data["segments"]):
-        try:
-            d = int(seg.get("device", 0))
-            reserved[d] = reserved.get(d, 0) + int(seg.get("total_size", 0))
-            address = int(seg.get("address") or 0)
-            for b in seg.get("blocks", ()):
-                block_addr = int(b.get("address", address))
-                address = block_addr + int(b["size"])
-                if b.get("state") not in _LIVE_STATES:
-                    continue
-                if b["state"] == "active_allocated":
-                    allocated[d] = allocated.get(d, 0) + int(b["size"])
-                nbytes = int(b.get("requested_size", b["size"]))
-                if granularity:
-                    nbytes = max(granularity, -(-nbytes // granularity) * granularity)
-                end_live[d] = end_live.get(d, 0) + nbytes
-                if (d, block_addr) in live_from_trace:
-                    continue
-                code = frames.decode(b.get("frames"))[0]
-                if code < 0:
-                    code = _FOREIGN_CATEGORY.get(b.get("category"), default)
-                baseline[code] += nbytes
-                before_live[d] = before_live.get(d, 0) + nbytes
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise SnapshotError(f"not a CUDA memory snapshot: segments[{s}] is malformed ({e!r})") from e
+    baseline, totals = _segments_state(data, live_from_trace, frames, default, granularity)
+    baseline += np.bincount(cat[before], weights=cols["bytes"][before], minlength=len(CATEGORIES)).astype(np.int64)
 
-    # devices that appear, in index order; names from memkit's header, the caller, or "cuda:N"
-    used = sorted(set(np.unique(cols["device"]).tolist()) | set(reserved))
+    # devices that appear, in index order; names from the caller, memkit's header, or "cuda:N"
+    used = sorted(set(np.unique(cols["device"]).tolist()) | set(totals["reserved"]))
     named = header.get("devices") if isinstance(header.get("devices"), dict) else {}
     if device_names is not None:
         named = dict(enumerate(device_names))
-    names = [str(named.get(d, f"cuda:{d}")) for d in used]
+    names = {d: str(named.get(d, f"cuda:{d}")) for d in used}
     remap = np.zeros(max(used, default=0) + 1, dtype=np.int64)
     remap[used] = np.arange(len(used))
-    cols["device"] = remap[cols["device"]] if n else cols["device"]
+    cols["device"] = remap[cols["device"]]
 
     # for a consistent snapshot, baseline + events end at what the segments hold
     signed = np.where(cols["action"] == ALLOC, cols["bytes"], -cols["bytes"])
-    net = np.bincount(cols["device"], weights=signed, minlength=len(used)).astype(np.int64)
-    freed_before = np.bincount(cols["device"][before], weights=cols["bytes"][before], minlength=len(used))
-    unaccounted = {}
-    for i, d in enumerate(used):
-        diff = end_live.get(d, 0) - (before_live.get(d, 0) + int(freed_before[i]) + int(net[i]))
-        if diff:
-            unaccounted[names[i]] = diff
-    meta: dict[str, Any] = {
-        "source": "snapshot",
-        "time_unit": time_unit,
-        "reserved_bytes": {names[used.index(d)]: v for d, v in reserved.items()},
-        "allocated_bytes": {names[used.index(d)]: v for d, v in allocated.items()},
-        "free_action": {names[used.index(d)]: a for d, a in free_actions.items()},
+    net = np.bincount(cols["device"], weights=signed, minlength=len(used))
+    net += np.bincount(cols["device"][before], weights=cols["bytes"][before], minlength=len(used))
+    meta: dict[str, Any] = {"source": "snapshot", "time_unit": time_unit}
+    for key, kind in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated")):
+        meta[key] = {names[d]: v for d, v in totals[kind].items()}
+    meta["free_action"] = {names[d]: a for d, a in free_actions.items()}
+    unaccounted = {
+        names[d]: diff
+        for i, d in enumerate(used)
+        if (diff := totals["live"].get(d, 0) - totals["live_before"].get(d, 0) - int(net[i]))
     }
     if unaccounted:
         meta["unaccounted_bytes"] = unaccounted
@@ -474,9 +462,9 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     return Timeline(
         cols,
         baseline_by_category={c: int(baseline[i]) for i, c in enumerate(CATEGORIES)},
-        devices=names,
-        ops=ops,
-        frames=texts,
+        devices=list(names.values()),
+        ops=frames.ops,
+        frames=frames.texts,
         meta=meta,
     )
 
@@ -508,6 +496,15 @@ def _rounded(n: int) -> int:
     return max(_BLOCK_ALIGN, -(-n // _BLOCK_ALIGN) * _BLOCK_ALIGN)
 
 
+def _entry(action: str, addr: int, size: int, time_us: int, frames: list, **extra: Any) -> dict:
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": time_us, "frames": frames, **extra}
+
+
+def _block(addr: int, size: int, requested: int, frames: list | None = None) -> dict:
+    state = "inactive" if frames is None else "active_allocated"
+    return {"address": addr, "size": size, "requested_size": requested, "state": state, "frames": frames or []}
+
+
 def write_snapshot(timeline: Timeline, path: str | os.PathLike | None = None) -> dict:
     """Write ``timeline`` as a CUDA memory snapshot in torch's schema; return the dict (saved to ``path`` if given).
 
@@ -525,6 +522,17 @@ def write_snapshot(timeline: Timeline, path: str | os.PathLike | None = None) ->
     """
     if not isinstance(timeline, Timeline):
         raise TypeError(f"timeline must be a memkit Timeline, got {type(timeline).__name__}")
+    with _gc_paused():
+        data = _snapshot_of(timeline)
+        if path is not None:
+            tmp = f"{os.fspath(path)}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(data, f, protocol=4)
+            os.replace(tmp, path)
+    return data
+
+
+def _snapshot_of(timeline: Timeline) -> dict:
     c = {name: timeline.column(name).tolist() for name, _ in COLUMNS}
     names = timeline.devices or ["cuda:0"]
     indices = _device_indices(names)
@@ -581,31 +589,17 @@ def write_snapshot(timeline: Timeline, path: str | os.PathLike | None = None) ->
                 del open_[key]
             addr = _add_block(blocks[d], spaces[d], nbytes, s)
             open_[key] = (d, addr)
-            entry = {"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "time_us": time_us, "frames": s}
-            entry["category"] = CATEGORIES[c["category"][i]]
-            traces[d].append(entry)
+            traces[d].append(_entry("alloc", addr, nbytes, time_us, s, category=CATEGORIES[c["category"][i]]))
             continue
         d, addr = open_.pop(key) if i not in before_addr else (d, before_addr[i])
         block = blocks[d].pop(addr)
         spaces[d].free(addr, block["size"])
-        for action in ("free_requested", "free_completed"):
-            entry = {"action": action, "addr": addr, "size": nbytes, "stream": 0, "time_us": time_us, "frames": s}
-            traces[d].append(entry)
+        traces[d] += [_entry(a, addr, nbytes, time_us, s) for a in ("free_requested", "free_completed")]
     end_us = zero_us + round((c["time"][-1] if c["time"] else 0.0) * 1e6)
     for trace in traces:
         if trace:  # the viz colours by category and crashes unless "unknown" is one (a typo in MemoryViz.js)
-            trace.append(
-                {
-                    "action": "snapshot",
-                    "addr": 0,
-                    "size": 0,
-                    "stream": 0,
-                    "time_us": end_us,
-                    "frames": [],
-                    "category": "unknown",
-                }
-            )
-    data = {
+            trace.append(_entry("snapshot", 0, 0, end_us, [], category="unknown"))
+    return {
         "segments": [_segment(d, spaces[d], blocks[d]) for d in sorted(spaces) if spaces[d].top > spaces[d].base],
         "device_traces": traces,
         "allocator_settings": {},
@@ -617,12 +611,6 @@ def write_snapshot(timeline: Timeline, path: str | os.PathLike | None = None) ->
             "meta": {k: v for k, v in timeline.meta.items() if isinstance(k, str) and _plain(v)},
         },
     }
-    if path is not None:
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(data, f, protocol=4)
-        os.replace(tmp, path)
-    return data
 
 
 def _device_indices(names: list[str]) -> dict[str, int]:
@@ -636,41 +624,25 @@ def _device_indices(names: list[str]) -> dict[str, int]:
 def _add_block(blocks: dict[int, dict], space: _Addresses, nbytes: int, frames: list) -> int:
     rounded = _rounded(nbytes)
     addr = space.alloc(rounded)
-    blocks[addr] = {
-        "address": addr,
-        "size": rounded,
-        "requested_size": nbytes,
-        "state": "active_allocated",
-        "frames": frames,
-    }
+    blocks[addr] = _block(addr, rounded, nbytes, frames)
     return addr
 
 
 def _segment(device: int, space: _Addresses, live: dict[int, dict]) -> dict:
-    total = -(-(space.top - space.base) // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+    """One segment tiled by the live blocks and the gaps between them, as the allocator reports it."""
+    end = space.base + -(-(space.top - space.base) // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
     blocks, cursor = [], space.base
-    for addr in sorted(live):
+    for addr in [*sorted(live), end]:
         if addr > cursor:
-            blocks.append(
-                {"address": cursor, "size": addr - cursor, "requested_size": 0, "state": "inactive", "frames": []}
-            )
-        blocks.append(live[addr])
-        cursor = addr + live[addr]["size"]
-    if cursor < space.base + total:
-        blocks.append(
-            {
-                "address": cursor,
-                "size": space.base + total - cursor,
-                "requested_size": 0,
-                "state": "inactive",
-                "frames": [],
-            }
-        )
+            blocks.append(_block(cursor, addr - cursor, 0))
+        if addr < end:
+            blocks.append(live[addr])
+            cursor = addr + live[addr]["size"]
     allocated = sum(b["size"] for b in live.values())
     return {
         "device": device,
         "address": space.base,
-        "total_size": total,
+        "total_size": end - space.base,
         "allocated_size": allocated,
         "active_size": allocated,
         "requested_size": sum(b["requested_size"] for b in live.values()),
@@ -681,67 +653,3 @@ def _segment(device: int, space: _Addresses, live: dict[int, dict]) -> dict:
         "frames": [],
         "blocks": blocks,
     }
-
-
-# ---- recording on CUDA ------------------------------------------------------------------------------------------
-def _cuda_history_problem() -> str | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
-        return f"CUDA allocator history needs a CUDA device; this torch {torch.__version__} has {build}"
-    memory = getattr(torch.cuda, "memory", None)
-    for name in ("_record_memory_history", "_snapshot"):
-        if not callable(getattr(memory, name, None)):
-            return f"this torch {torch.__version__} has no torch.cuda.memory.{name}"
-    if not hasattr(torch._C, "_cuda_record_memory_history"):
-        return f"this torch {torch.__version__} was built without the CUDA allocator's history"
-    return None
-
-
-def cuda_history_available() -> bool:
-    """True when :func:`record_cuda_history` can run here (a CUDA device and torch's private history API)."""
-    return _cuda_history_problem() is None
-
-
-def record_cuda_history(max_entries: int = 100_000, *, stacks: str = "python") -> Handle:
-    """Start recording the CUDA caching allocator's history (every alloc and free, with Python stacks).
-
-    Costs a few µs per allocation and several KB per kept entry; only the last ``max_entries`` are kept. The
-    returned handle stops recording. Raises :class:`CudaHistoryError` with the reason where it can't run
-    (no GPU, CPU build); :func:`memkit.track` measures exact storages on any device instead.
-
-    Example:
-        >>> with record_cuda_history(max_entries=200_000):
-        ...     memkit.train_step(model, inputs); tl = cuda_snapshot()
-        >>> tl.peak_bytes
-    """
-    if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
-        raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
-    if stacks not in ("python", "all"):
-        raise ValueError(f"stacks must be 'python' or 'all', got {stacks!r}")
-    problem = _cuda_history_problem()
-    if problem:
-        raise CudaHistoryError(f"{problem}. Use memkit.track(), which measures exact storages on any device.")
-    import torch
-
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
-    return Handle(lambda: torch.cuda.memory._record_memory_history(enabled=None), name="cuda memory history")
-
-
-def cuda_snapshot(**read_kwargs: Any) -> Timeline:
-    """The CUDA allocator's current snapshot (``torch.cuda.memory._snapshot()``) as a Timeline.
-
-    Takes :func:`read_snapshot`'s keyword arguments. Raises :class:`CudaHistoryError` where CUDA is missing.
-
-    Example:
-        >>> handle = record_cuda_history()
-        >>> memkit.train_step(model, inputs)
-        >>> tl = cuda_snapshot(); handle.remove()
-    """
-    problem = _cuda_history_problem()
-    if problem:
-        raise CudaHistoryError(f"{problem}. Use memkit.track(), which measures exact storages on any device.")
-    import torch
-
-    return read_snapshot(torch.cuda.memory._snapshot(), **read_kwargs)

@@ -62,7 +62,9 @@ class Timeline:
         n = len(next(iter(columns.values()))) if columns else 0
         cols = {}
         for name, dtype in COLUMNS:
-            if name in columns:
+            if not columns:
+                col = np.zeros(0, dtype=dtype)
+            elif name in columns:
                 col = np.asarray(columns[name], dtype=dtype)
             elif name in ("op", "frame"):
                 col = np.full(n, -1, dtype=dtype)
@@ -259,6 +261,31 @@ class Timeline:
             "peak_time": self.peak_time,
             "peak_by_category": self.peak_by_category(),
         }
+
+    @classmethod
+    def from_snapshot(cls, source, **kwargs) -> Timeline:
+        """Read a CUDA memory snapshot (a ``torch.cuda.memory._dump_snapshot`` pickle path, bytes, file or
+        dict) safely: the unpickler refuses every class. Keyword arguments go to
+        :func:`memkit.memory.snapshot.read_snapshot`.
+
+        Example:
+            >>> tl = memkit.Timeline.from_snapshot("snapshot.pickle")
+            >>> tl.peak_bytes, tl.top_allocations(5)
+        """
+        from .snapshot import read_snapshot
+
+        return read_snapshot(source, **kwargs)
+
+    def to_snapshot(self, path=None) -> dict:
+        """Write this timeline as a snapshot pickle (protocol 4) in torch's schema, categories kept, for
+        pytorch.org/memory_viz and ``torch.cuda._memory_viz``; returns the dict.
+
+        Example:
+            >>> tl.to_snapshot("step.pickle")   # open it at pytorch.org/memory_viz
+        """
+        from .snapshot import write_snapshot
+
+        return write_snapshot(self, path)
 
     def __repr__(self) -> str:
         label = self.meta.get("label")

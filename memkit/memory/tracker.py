@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import workspace
+from .cuda import cuda_history_available, cuda_snapshot, record_cuda_history
 from .events import ALLOC, CATEGORIES, CATEGORY_CODE, FREE, PHASE_CODE, EventLog, check_category
 from .timeline import Timeline
 
@@ -335,6 +336,8 @@ def track(
     alloc_granularity: int | None = None,
     device: str | None = None,
     label: str | None = None,
+    cuda_history: bool | None = None,
+    max_entries: int = 100_000,
 ) -> Iterator[Timeline]:
     """Track every storage allocated and freed inside the block; yields a live :class:`Timeline`.
 
@@ -348,6 +351,12 @@ def track(
     noise on a real one (see ``bench/RESULTS.md``). ``record_stacks=True`` also interns the Python stack of
     each allocation (much slower). ``alloc_granularity=512`` rounds sizes like the CUDA caching allocator.
     Nested ``track()`` blocks are supported: each sees every op of its own window.
+
+    On CUDA (``cuda_history=None`` means: when a CUDA device is available), the caching allocator's history
+    is recorded too (the last ``max_entries`` actions, with Python stacks); after the block
+    ``timeline.meta["cuda"]`` is that snapshot as its own Timeline (``reserved_bytes`` in its meta: the
+    allocator's segments, which include fragmentation). ``cuda_history=True`` on a machine without CUDA
+    raises :class:`~memkit.memory.cuda.CudaHistoryError` saying why.
 
     Example:
         >>> with memkit.track(model, inputs=inputs) as tl:
@@ -367,11 +376,25 @@ def track(
         tracker.register_optimizer(optimizer)
     tracker.register(_tensors_of(inputs), "input")
     tracker.register(_tensors_of(ema), "ema")
+    history = _start_cuda_history(cuda_history, max_entries)
     tracker.start()
     try:
         yield tracker.timeline
     finally:
         tracker.stop()
+        if history is not None:
+            try:
+                tracker.timeline.meta["cuda"] = cuda_snapshot()
+            finally:
+                history.remove()
+
+
+def _start_cuda_history(wanted: bool | None, max_entries: int):
+    if wanted is False:
+        return None
+    if wanted is None and not cuda_history_available():
+        return None
+    return record_cuda_history(max_entries)
 
 
 def tag(tensors: Iterable[torch.Tensor] | torch.Tensor, category: str) -> None:
