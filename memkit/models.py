@@ -18,6 +18,7 @@ DiT; 480x704 px x 41 frames for LTX-Video; 480x832 px x 17 frames for Wan).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -33,7 +34,17 @@ import safetensors.torch
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["PRESETS", "SIZES", "Preset", "load_model", "make_inputs", "model_output", "preset_of", "train_step"]
+__all__ = [
+    "PRESETS",
+    "SIZES",
+    "Preset",
+    "check_inputs",
+    "load_model",
+    "make_inputs",
+    "model_output",
+    "preset_of",
+    "train_step",
+]
 
 SIZES = ("tiny", "small", "full")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -618,6 +629,35 @@ def model_output(out: Any) -> torch.Tensor:
     raise TypeError(f"cannot find the output tensor in a {type(out).__name__}")
 
 
+def check_inputs(model: torch.nn.Module, inputs: Any) -> None:
+    """Raise a ValueError naming ``inputs`` when its keys don't fit ``model.forward`` (unknown or missing).
+
+    Shapes are checked by the model itself; build inputs with :func:`make_inputs` to get them right.
+
+    Example:
+        >>> check_inputs(model, {"hidden_states": x})   # ValueError: inputs is missing 'timestep', ...
+    """
+    if not isinstance(inputs, Mapping):
+        raise TypeError(f"inputs must be a mapping of forward keyword arguments, got {type(inputs).__name__}")
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(inputs) - set(params))
+    if unknown:
+        raise ValueError(
+            f"inputs has keys that {type(model).__name__}.forward does not take: {unknown}; it takes {sorted(params)}"
+        )
+    missing = sorted(
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and n not in inputs
+    )
+    if missing:
+        raise ValueError(f"inputs is missing {missing} for {type(model).__name__}.forward; see memkit.make_inputs")
+
+
 def train_step(
     model: torch.nn.Module, inputs: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None
 ) -> torch.Tensor:
@@ -633,6 +673,7 @@ def train_step(
         >>> optimizer = torch.optim.AdamW(model.parameters())
         >>> loss = train_step(model, make_inputs(model), optimizer)
     """
+    check_inputs(model, inputs)
     loss = model_output(model(**inputs)).float().pow(2).mean()
     loss.backward()
     if optimizer is not None:

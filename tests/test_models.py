@@ -331,3 +331,15 @@ def test_bad_batch_size_and_unknown_model_class_are_named():
         make_inputs(cached_tiny("wan"), batch_size=0)
     with pytest.raises(ValueError, match="Linear"):
         preset_of(torch.nn.Linear(2, 2))
+
+
+def test_train_step_names_inputs_that_do_not_fit():
+    model = load_model("flux")
+    inputs = make_inputs(model)
+    with pytest.raises(ValueError, match=r"inputs has keys .* does not take: \['foo'\]"):
+        train_step(model, {**inputs, "foo": 1})
+    partial = {k: v for k, v in inputs.items() if k != "hidden_states"}
+    with pytest.raises(ValueError, match=r"inputs is missing \['hidden_states'\]"):
+        train_step(model, partial)
+    with pytest.raises(TypeError, match="inputs must be a mapping"):
+        train_step(model, [inputs["hidden_states"]])
