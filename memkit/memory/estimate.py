@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from tqdm.auto import tqdm
 
 from .timeline import Timeline
 from .tracker import track
@@ -65,6 +66,7 @@ def estimate(
     batch_size: int = 1,
     device: str = "cpu",
     seed: int = 0,
+    progress: bool | None = None,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory timeline of one step without allocating real memory (fake tensors).
@@ -84,6 +86,8 @@ def estimate(
             accumulated gradients) is counted.
         device: the device being estimated: ``"cpu"`` or ``"cuda"`` (adds the CUDA allocator's 512-byte
             rounding, drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA).
+        progress: show a progress bar (build, then each step); None shows it for full-size presets, which
+            take ~10–30 s.
 
     Returns the :class:`Timeline` of the last step; ``timeline.meta`` holds the settings, the parameter count
     and the seconds the estimate took.
@@ -123,7 +127,12 @@ def estimate(
 
     t0 = time.perf_counter()
     cuda = device == "cuda"
-    with FakeTensorMode(), _default_dtype(dtype):
+    if progress is None:
+        progress = isinstance(model, str) and size == "full"
+    label = model if isinstance(model, str) else "model"
+    bar = tqdm(total=steps + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
+    with bar, FakeTensorMode(), _default_dtype(dtype):
+        bar.set_postfix_str("building the model")
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"model() must return a torch.nn.Module, got {type(net).__name__}")
@@ -139,8 +148,12 @@ def estimate(
                     with torch.no_grad():
                         net(**kwargs)
 
-            for _ in range(steps - 1):
+            bar.update()
+            for i in range(steps - 1):
+                bar.set_postfix_str(f"step {i + 1}/{steps}")
                 step()
+                bar.update()
+            bar.set_postfix_str(f"step {steps}/{steps} (tracked)")
             with track(
                 net,
                 optimizer=opt,
@@ -149,6 +162,7 @@ def estimate(
                 device="cuda" if cuda else None,
             ) as timeline:
                 step()
+            bar.update()
         finally:
             handle.remove()
         params = sum(p.numel() for p in net.parameters())
