@@ -19,7 +19,12 @@ from .models import PRESETS, load_model, make_inputs, model_output, train_step
 
 @dataclass
 class VariantResult:
-    """One row of a comparison."""
+    """One row of a comparison: the variant's timeline, time and differences against the baseline.
+
+    Example:
+        >>> r = memkit.compare("dit", {"ckpt": [memkit.Checkpointing()]}).results["ckpt"]
+        >>> r.passed, r.max_abs_d_grad, r.timeline.peak_bytes
+    """
 
     name: str
     """Variant name (``"baseline"`` for the reference)."""
@@ -39,7 +44,13 @@ class VariantResult:
 
 @dataclass
 class Comparison:
-    """Baseline and variants, run on the same weights and inputs. Build it with :func:`compare`."""
+    """Baseline and variants, run on the same weights and inputs. Build it with :func:`compare`.
+
+    Example:
+        >>> cmp = memkit.compare("flux", {"checkpointing": [memkit.Checkpointing()]})
+        >>> cmp.table()                   # one row per variant
+        >>> cmp.results["checkpointing"].timeline.peak_bytes
+    """
 
     results: dict[str, VariantResult]
     """Results in display order, the baseline first."""

@@ -46,7 +46,13 @@ class Handle:
 
 @runtime_checkable
 class Optimization(Protocol):
-    """Anything with ``apply(model) -> Handle``: what ``compare``, ``estimate``, widgets and the CLI take."""
+    """Anything with ``apply(model) -> Handle``: what ``compare``, ``estimate``, widgets and the CLI take.
+
+    Example:
+        >>> class Freeze:                  # a user-defined optimization
+        ...     def apply(self, model):
+        ...         model.requires_grad_(False); return memkit.Handle(lambda: model.requires_grad_(True))
+    """
 
     def apply(self, model: torch.nn.Module) -> Handle: ...
 

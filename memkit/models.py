@@ -53,7 +53,12 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 @dataclass(frozen=True)
 class Preset:
-    """A diffusers model class, its config at each size, and the default sizes of its inputs."""
+    """A diffusers model class, its config at each size, and the default sizes of its inputs.
+
+    Example:
+        >>> p = memkit.PRESETS["flux"]
+        >>> p.model_class, p.description, p.input_sizes["full"]
+    """
 
     name: str
     """Key in `PRESETS`."""

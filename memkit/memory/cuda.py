@@ -19,7 +19,12 @@ __all__ = ["CudaHistoryError", "cuda_history_available", "cuda_snapshot", "recor
 
 
 class CudaHistoryError(RuntimeError):
-    """CUDA allocator history cannot be recorded here (no GPU, a CPU build of torch, or an old torch)."""
+    """CUDA allocator history cannot be recorded here (no GPU, a CPU build of torch, or an old torch).
+
+    Example:
+        >>> try: memkit.memory.record_cuda_history()
+        ... except memkit.memory.CudaHistoryError as e: print(e)   # says why, e.g. a CPU-only build
+    """
 
 
 def _cuda_history_problem() -> str | None:
@@ -36,7 +41,12 @@ def _cuda_history_problem() -> str | None:
 
 
 def cuda_history_available() -> bool:
-    """True when :func:`record_cuda_history` can run here (a CUDA device and torch's private history API)."""
+    """True when :func:`record_cuda_history` can run here (a CUDA device and torch's private history API).
+
+    Example:
+        >>> if memkit.memory.cuda_history_available():
+        ...     handle = memkit.memory.record_cuda_history()
+    """
     return _cuda_history_problem() is None
 
 

@@ -64,7 +64,12 @@ _ADDRESS_BASE = 0x7F0000000000
 
 
 class SnapshotError(ValueError):
-    """The input is not a readable CUDA memory snapshot (crafted, truncated, corrupted, or another pickle)."""
+    """The input is not a readable CUDA memory snapshot (crafted, truncated, corrupted, or another pickle).
+
+    Example:
+        >>> try: memkit.Timeline.from_snapshot("untrusted.pickle")
+        ... except memkit.memory.SnapshotError as e: print(e)   # nothing in the file was run
+    """
 
 
 # ---- loading ------------------------------------------------------------------------------------------------

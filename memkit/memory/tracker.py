@@ -67,7 +67,13 @@ class _Mode(TorchDispatchMode):
 
 
 class Tracker:
-    """Records the storages allocated and freed while it is active. Use it through :func:`track`."""
+    """Records the storages allocated and freed while it is active. Use it through :func:`track`, which
+    registers the objects, starts and stops it; ``Tracker`` is public for code that needs ``register()``.
+
+    Example:
+        >>> with memkit.track() as tl:   # creates, starts and stops a Tracker
+        ...     y = torch.randn(1024) * 2
+    """
 
     def __init__(
         self,
@@ -432,5 +438,10 @@ def phase(name: str) -> Iterator[None]:
 
 
 def tracking() -> bool:
-    """True while a :func:`track` block is active."""
+    """True while a :func:`track` block is active.
+
+    Example:
+        >>> with memkit.track():
+        ...     assert memkit.memory.tracking()
+    """
     return bool(_active)
