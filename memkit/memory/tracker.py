@@ -2,7 +2,7 @@
 
 Why a dispatch mode: it sees every op on any device (CPU, CUDA, fake tensors) with its real output
 storages, so the bytes it adds up are the bytes the allocator handed out, not an estimate from shapes.
-Frees come from a ``weakref.finalize`` on each storage, which fires exactly when the storage dies.
+Frees come from a weakref callback on each storage, which fires exactly when the storage dies.
 Two things a dispatch mode cannot see are added explicitly: buffers that a kernel allocates internally
 and frees before returning (``workspace.py``), and, on CUDA, the caching allocator's rounding.
 
@@ -20,6 +20,7 @@ import traceback
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,10 +47,11 @@ def _graph_task_running() -> bool:
 class _Live:
     """What the tracker knows about one live storage."""
 
-    __slots__ = ("event", "nbytes", "category", "phase", "finalizer")
+    __slots__ = ("event", "nbytes", "category", "phase", "ref")
 
-    def __init__(self, event: int, nbytes: int, category: int, phase: int, finalizer):
-        self.event, self.nbytes, self.category, self.phase, self.finalizer = event, nbytes, category, phase, finalizer
+    def __init__(self, event: int, nbytes: int, category: int, phase: int, ref):
+        # ``ref`` is a weakref whose callback records the free; dropping it (at stop) cancels the callback.
+        self.event, self.nbytes, self.category, self.phase, self.ref = event, nbytes, category, phase, ref
 
 
 class _Mode(TorchDispatchMode):
@@ -95,7 +97,8 @@ class Tracker:
         self._last_phase = _OTHER
         self._seen_modules: set[int] = set()
         self._handles: list[Any] = []
-        self._aliasing: dict[Any, bool] = {}
+        self._ops: dict[int, tuple] = {}
+        self._devices: dict[torch.device | None, int] = {}
         self._t0 = time.perf_counter()
         self._closed = False
         self.timeline = Timeline(source=self._snapshot, meta={"label": label, "source": "tracker"})
@@ -117,26 +120,29 @@ class Tracker:
         self._last_phase = phase
         return phase
 
-    def _record_outputs(self, func, args, kwargs, out, phase: int) -> None:
-        aliasing = self._aliasing.get(func)
-        if aliasing is None:
+    def _op_info(self, func) -> tuple:
+        # Keyed by id: OpOverload's __hash__ is Python code, and ops live as long as the process.
+        info = self._ops.get(id(func))
+        if info is None:
             # lift_fresh returns the tensor that torch.tensor(data) just built outside dispatch: a new storage.
-            aliasing = self._aliasing[func] = func not in _FRESH and any(
-                r.alias_info is not None for r in func._schema.returns
-            )
-        op = None
+            aliasing = func not in _FRESH and any(r.alias_info is not None for r in func._schema.returns)
+            info = (aliasing, self.log.ops(str(func)), workspace.workspace_fn(func, self.device), func)
+            self._ops[id(func)] = info
+        return info
+
+    def _record_outputs(self, func, args, kwargs, out, phase: int) -> None:
+        aliasing, op, workspace_fn, _ = self._op_info(func)
         if not aliasing:
             # A forward op replayed inside backward (activation checkpointing) recomputes an activation.
             category = _ACTIVATION if (phase == _BACKWARD and self._forward_depth) else _TEMPORARY
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    if op is None:
-                        op = self.log.ops(str(func))
-                    self._new_storage(t, category, phase, op)
-        extra = workspace.workspace_bytes(func, args, kwargs, out, self.device)
+            if isinstance(out, torch.Tensor):
+                self._new_storage(out, category, phase, op)
+            else:
+                for t in out if isinstance(out, (tuple, list)) else tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self._new_storage(t, category, phase, op)
+        extra = workspace_fn(args, kwargs, out) if workspace_fn is not None else 0
         if extra:
-            if op is None:
-                op = self.log.ops(str(func))
             device = self._device_code(self._first_tensor_device(out))
             n = self._round(extra)
             now = time.perf_counter() - self._t0
@@ -152,16 +158,16 @@ class Tracker:
         n = s.nbytes()
         if n == 0:
             return
-        n = self._round(n)
-        index = len(self.log.rows)
+        if self.alloc_granularity:
+            n = self._round(n)
+        rows = self.log.rows
+        index = len(rows)
         frame = self._frame() if self.record_stacks else -1
         device = self._device_code(t.device)
-        self.log.rows.append((time.perf_counter() - self._t0, ALLOC, n, category, phase, device, op, frame, key))
-        fin = weakref.finalize(s, self._on_free, key, device)
-        fin.atexit = False
-        self._live[key] = _Live(index, n, category, phase, fin)
+        rows.append((time.perf_counter() - self._t0, ALLOC, n, category, phase, device, op, frame, key))
+        self._live[key] = _Live(index, n, category, phase, weakref.ref(s, partial(self._on_free, key, device)))
 
-    def _on_free(self, key: int, device: int) -> None:
+    def _on_free(self, key: int, device: int, _ref=None) -> None:
         entry = self._live.pop(key, None)
         if entry is None or self._closed:
             return
@@ -175,8 +181,11 @@ class Tracker:
         return n if not g else max(g, -(-n // g) * g)
 
     def _device_code(self, device: torch.device | None) -> int:
-        name = self.device or (str(device) if device is not None else "cpu")
-        return self.log.devices(name)
+        code = self._devices.get(device)
+        if code is None:
+            name = self.device or (str(device) if device is not None else "cpu")
+            code = self._devices[device] = self.log.devices(name)
+        return code
 
     @staticmethod
     def _first_tensor_device(out) -> torch.device | None:
@@ -228,9 +237,7 @@ class Tracker:
             n = self._round(n)
             self._baseline[category] += n
             device = self._device_code(t.device)
-            fin = weakref.finalize(s, self._on_free, key, device)
-            fin.atexit = False
-            self._live[key] = _Live(-1, n, code, _OTHER, fin)
+            self._live[key] = _Live(-1, n, code, _OTHER, weakref.ref(s, partial(self._on_free, key, device)))
 
     def register_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
         """Register a module's parameters, buffers and existing gradients, and hook its gradients."""
@@ -299,9 +306,7 @@ class Tracker:
             self._handles.clear()
             self.timeline._freeze()
             self._closed = True
-            for entry in self._live.values():
-                entry.finalizer.detach()
-            self._live.clear()
+            self._live.clear()  # drops the weakrefs, so no callback runs for storages that die later
 
     def _snapshot(self, seen_version) -> tuple[tuple, dict, dict] | None:
         version = (len(self.log.rows), len(self.log.retags), tuple(self._baseline.values()))

@@ -71,18 +71,12 @@ for _name, _fn in (
 
 
 _WRAPPED_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
-_tensor_slots: dict[object, tuple[int, ...]] = {}
 
 
-def _wrapped_scalars(func, args, out) -> int:
+def _wrapped_scalars(slots: tuple[int, ...], args) -> int:
     # A Python number passed where the schema takes a Tensor (``x / 2.0``) becomes a 0-dim "wrapped number"
     # tensor: the argument parser allocates one before dispatch, the call below the dispatch mode allocates
     # another, and the kernel casts it to the computation dtype. All three die when the op returns.
-    slots = _tensor_slots.get(func)
-    if slots is None:
-        slots = _tensor_slots[func] = tuple(
-            i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only
-        )
     n = 0
     for i in slots:
         if i < len(args) and type(args[i]) in _WRAPPED_DTYPE:
@@ -96,16 +90,28 @@ def _wrapped_scalars(func, args, out) -> int:
     return n
 
 
-def workspace_bytes(func, args, kwargs, out, device: str | None = None) -> int:
-    """Bytes of internal buffers ``func`` allocated and freed while producing ``out`` (0 when none known).
+WorkspaceFn = Callable[[tuple, dict, object], int]
 
-    ``device`` overrides the device the op ran on (an estimate for CUDA run with fake CPU tensors): CPU
-    kernels' buffers and CPU-side wrapped numbers are only counted for CPU.
+
+def workspace_fn(func, device: str | None = None) -> WorkspaceFn | None:
+    """The function giving the bytes of internal buffers ``func`` allocates and frees while producing its
+    outputs, ``fn(args, kwargs, out) -> int``; None when it has none (the common case, decided once per op).
+
+    ``device`` is the device being measured (an estimate for CUDA runs on fake CPU tensors): CPU kernels'
+    buffers and CPU-side wrapped numbers count only for CPU.
     """
     if device is not None and not device.startswith("cpu"):
-        return 0
-    n = _wrapped_scalars(func, args, out)
-    fn = _CPU.get(func)
-    if fn is not None:
-        n += fn(args, kwargs, out)
-    return n
+        return None
+    slots = tuple(i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only)
+    kernel = _CPU.get(func)
+    if kernel is None and not slots:
+        return None
+    if kernel is None:
+        return lambda args, kwargs, out: _wrapped_scalars(slots, args)
+    return lambda args, kwargs, out: _wrapped_scalars(slots, args) + kernel(args, kwargs, out)
+
+
+def workspace_bytes(func, args, kwargs, out, device: str | None = None) -> int:
+    """Bytes of internal buffers ``func`` allocated and freed while producing ``out`` (0 when none known)."""
+    fn = workspace_fn(func, device)
+    return fn(args, kwargs, out) if fn is not None else 0
