@@ -1,0 +1,181 @@
+"""The command line, run in-process through ``main([...])``, plus one real ``python -m memkit --help``."""
+
+import json
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import memkit
+from memkit import cli
+from memkit.cli import REPORT_VARIANTS, OptimizationFlag, main
+from memkit.memory.events import COLUMNS
+
+PRESET = "pixart"  # the cheapest tiny preset to estimate and to compare
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    """A snapshot of a tracked tiny training step, and that step's timeline."""
+    from memkit.memory.snapshot import write_snapshot
+
+    model = memkit.load_model(PRESET)
+    inputs = memkit.make_inputs(model)
+    with memkit.track(model, inputs=inputs, record_stacks=True) as timeline:
+        memkit.train_step(model, inputs)
+    path = tmp_path_factory.mktemp("snapshots") / "step.pickle"
+    write_snapshot(timeline, path)
+    return path, timeline
+
+
+def test_python_m_memkit_help():
+    done = subprocess.run([sys.executable, "-m", "memkit", "--help"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for command in ("estimate", "inspect", "report"):
+        assert command in done.stdout
+
+
+@pytest.mark.parametrize("command", ["estimate", "inspect", "report"])
+def test_every_subcommand_help_has_an_example(capsys, command):
+    code, out, _ = _run(capsys, command, "--help")
+    assert code == 0
+    assert "examples:" in out and f"memkit {command} " in out.split("examples:")[1]
+
+
+def test_estimate_json_peak_equals_the_library(capsys):
+    code, out, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--device", "cpu", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    timeline = memkit.estimate(
+        PRESET, size="tiny", mode="training", dtype=torch.bfloat16, optimizer="adamw", device="cpu"
+    )
+    assert result["peak_bytes"] == timeline.peak_bytes
+    assert result["baseline_bytes"] == timeline.baseline_bytes
+    assert result["peak_by_category"] == timeline.peak_by_category()
+    assert result["parameters"] == timeline.meta["parameters"]
+    assert (result["dtype"], result["optimizer"], result["device"]) == ("bfloat16", "adamw", "cpu")
+
+
+def test_estimate_table_with_checkpointing_defaults_to_cuda(capsys):
+    code, out, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--checkpointing", "all", "--unit", "B")
+    assert code == 0, err
+    timeline = memkit.estimate(
+        PRESET,
+        size="tiny",
+        dtype=torch.bfloat16,
+        optimizer="adamw",
+        device="cuda",
+        optimizations=[memkit.Checkpointing("all")],
+    )
+    assert "peak (B)" in out and f"{timeline.peak_bytes:,}" in out
+    assert "checkpointing:all" in out and "device cuda" in out
+
+
+def test_optimization_flags_compose(capsys, monkeypatch):
+    class Marker:
+        def apply(self, model):
+            return memkit.Handle(lambda: None)
+
+        def __str__(self):
+            return "marker"
+
+    seen = {}
+
+    def fake_estimate(preset, **kwargs):
+        seen.update(kwargs)
+        columns = {name: np.zeros(0, dtype) for name, dtype in COLUMNS}
+        return memkit.Timeline(columns, meta={"dtype": "bfloat16", "parameters": 0, "seconds": 0.0})
+
+    flag = OptimizationFlag("--marker", "test switch", lambda on: Marker(), {"action": "store_true"})
+    monkeypatch.setattr(cli, "OPTIMIZATION_FLAGS", (*cli.OPTIMIZATION_FLAGS, flag))
+    monkeypatch.setattr(memkit, "estimate", fake_estimate)
+    code, out, err = _run(capsys, "estimate", PRESET, "--checkpointing", "all", "--marker")
+    assert code == 0, err
+    assert [str(o) for o in seen["optimizations"]] == ["checkpointing:all", "marker"]
+    assert "checkpointing:all, marker" in out
+
+
+def test_unknown_preset_exits_2_with_the_list(capsys):
+    for argv in (["estimate", "fluxx"], ["report", "fluxx"]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2
+        assert "fluxx" in err and all(name in err for name in memkit.PRESETS)
+        assert "Traceback" not in err
+
+
+def test_refused_checkpointing_pattern_names_the_allowed_ones(capsys):
+    code, _, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--checkpointing", "every:2")
+    assert code == 2
+    assert "--checkpointing every:2" in err and "['all']" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["estimate", PRESET, "--dtype", "int8"], "invalid choice"),
+        (["estimate", PRESET, "--steps", "two"], "invalid int value"),
+        (["estimate", PRESET, "--training", "--inference"], "not allowed with"),
+        (["estimate", "flux", "--frames", "9"], "--frames does not apply to 'flux'"),
+        (["estimate", "flux", "--size", "tiny", "--height", "33"], "multiple of 16"),
+        (["estimate", PRESET, "--inference", "--optimizer", "sgd"], "training only"),
+        (["report", PRESET, "--size", "full"], "invalid choice"),
+    ],
+)
+def test_bad_input_exits_2(capsys, argv, message):
+    code, _, err = _run(capsys, *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_report_writes_one_self_contained_html(capsys, tmp_path):
+    path = tmp_path / "report.html"
+    code, out, err = _run(capsys, "report", PRESET, "--out", str(path), "--repeats", "0", "--quiet")
+    assert code == 0, err
+    page = path.read_text()
+    for name in ("baseline", *REPORT_VARIANTS):
+        assert f"<th>{name}</th>" in page
+    assert page.count('class="plotly-graph-div"') == 2  # comparison and baseline timeline
+    assert page.count("window.PlotlyConfig") == 1  # plotly.js inlined once
+    assert "<h2>Machine</h2>" in page and torch.__version__ in page
+    assert str(path) in out
+
+
+def test_inspect_prints_the_tracked_peak(capsys, snapshot):
+    path, timeline = snapshot
+    code, out, err = _run(capsys, "inspect", str(path), "--top", "3")
+    assert code == 0, err
+    assert f"{timeline.peak_bytes:,} B" in out and f"{timeline.baseline_bytes:,} B" in out
+    assert "top 3 allocations" in out
+    code, out, err = _run(capsys, "inspect", str(path), "--json")
+    summary = json.loads(out)
+    assert code == 0
+    assert summary["peak_bytes"] == timeline.peak_bytes
+    assert summary["peak_by_category"] == timeline.peak_by_category()
+    assert len(summary["top"]) == 10 and summary["top"][0]["bytes"] == timeline.top_allocations(1)[0]["bytes"]
+
+
+def test_inspect_refuses_bad_snapshots_cleanly(capsys, snapshot, tmp_path):
+    good = snapshot[0].read_bytes()
+    files = {
+        "truncated.pickle": good[: len(good) // 2],
+        "garbage.pickle": b"\x00not a pickle at all" * 10,
+        "crafted.pickle": pickle.dumps(print),  # would need a global: refused before anything runs
+        "other.pickle": pickle.dumps({"hello": [1, 2, 3]}),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        code, _, err = _run(capsys, "inspect", str(tmp_path / name))
+        assert code == 2, name
+        assert err.startswith("memkit inspect: error:") and "Traceback" not in err, name
+    code, _, err = _run(capsys, "inspect", str(tmp_path / "missing.pickle"))
+    assert code == 2 and "no such file" in err
