@@ -13,7 +13,6 @@ that differ between CPU and CUDA (attention backends), and fragmentation (reserv
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,16 +40,6 @@ def make_optimizer(name: str | None, params, *, foreach: bool | None = None) -> 
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach)
     raise ValueError(f"optimizer must be one of {list(_OPTIMIZERS)} or None, got {name!r}")
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def estimate(
@@ -97,7 +86,7 @@ def estimate(
         >>> tl.peak_bytes / 2**30   # GiB
     """
     from ..handle import apply_all
-    from ..models import PRESETS, load_model, make_inputs, train_step
+    from ..models import PRESETS, _default_dtype, load_model, make_inputs, train_step
 
     if mode not in ("training", "inference"):
         raise ValueError(f"mode must be 'training' or 'inference', got {mode!r}")
