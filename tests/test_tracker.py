@@ -238,3 +238,16 @@ def test_track_records_cuda_history_when_asked(monkeypatch):
         pass
     assert calls == [("start", 500), "snapshot", "stop"]
     assert tl.meta["cuda"] is snapshot
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA history fails")
+def test_a_failed_start_leaves_no_hook_on_the_model():
+    from memkit.memory import CudaHistoryError
+
+    model = memkit.load_model("dit")
+    inputs = memkit.make_inputs(model)
+    with pytest.raises(CudaHistoryError):
+        with track(model, inputs=inputs, cuda_history=True):
+            pass
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    memkit.train_step(model, inputs)  # and the model still trains

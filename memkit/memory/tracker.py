@@ -101,6 +101,7 @@ class Tracker:
         self._devices: dict[torch.device | None, int] = {}
         self._t0 = time.perf_counter()
         self._closed = False
+        self._mode: _Mode | None = None
         self.timeline = Timeline(source=self._snapshot, meta={"label": label, "source": "tracker"})
 
     # ---- hot path -------------------------------------------------------------------------------------------
@@ -296,8 +297,11 @@ class Tracker:
         _active.append(self)
 
     def stop(self) -> None:
+        """Stop recording and remove every hook; safe to call if ``start`` never ran or failed."""
         try:
-            self._mode.__exit__(None, None, None)
+            mode, self._mode = self._mode, None
+            if mode is not None:
+                mode.__exit__(None, None, None)
         finally:
             if self in _active:
                 _active.remove(self)
@@ -381,15 +385,16 @@ def track(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     tracker = Tracker(record_stacks=record_stacks, alloc_granularity=alloc_granularity, device=device, label=label)
-    if model is not None:
-        tracker.register_module(model)
-    if optimizer is not None:
-        tracker.register_optimizer(optimizer)
-    tracker.register(_tensors_of(inputs), "input")
-    tracker.register(_tensors_of(ema), "ema")
-    history = _start_cuda_history(cuda_history, max_entries)
-    tracker.start()
-    try:
+    history = None
+    try:  # whatever fails below, stop() removes every hook already placed on the model
+        if model is not None:
+            tracker.register_module(model)
+        if optimizer is not None:
+            tracker.register_optimizer(optimizer)
+        tracker.register(_tensors_of(inputs), "input")
+        tracker.register(_tensors_of(ema), "ema")
+        history = _start_cuda_history(cuda_history, max_entries)
+        tracker.start()
         yield tracker.timeline
     finally:
         tracker.stop()
