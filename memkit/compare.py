@@ -172,7 +172,8 @@ def compare(
         variants: name → list of optimizations (e.g. ``{"checkpointing": [memkit.Checkpointing("all")]}``).
         mode: ``"training"`` or ``"inference"``.
         inputs: forward kwargs, a callable ``inputs(model)``, or None for ``memkit.make_inputs(model, seed=seed)``.
-        seed: seeds the weights of a preset and the default inputs.
+        seed: seeds the weights of a preset, the default inputs, and the random numbers of the compared step
+            (the same for every variant, so dropout does not count as a difference).
         tolerance: relative tolerance of the pass/fail column (see :class:`Comparison`).
         repeats: timed steps per variant (0 skips timing).
         progress: show a progress bar.
@@ -212,7 +213,10 @@ def compare(
         with apply_all(model, opts):
             model.zero_grad(set_to_none=True)
             captured: list[torch.Tensor] = []
-            _step(model, step_inputs, mode, captured)
+            # Same random stream for every variant: dropout and label dropping (DiT) draw the same numbers.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                _step(model, step_inputs, mode, captured)
             out = captured[-1].clone()
             grads = _grads(model) if mode == "training" else {}
             del captured

@@ -6,6 +6,7 @@ import memkit
 
 def _run(model, inputs):
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # DiT drops class labels at random in training
     out = memkit.models.model_output(model(**inputs))
     out.float().pow(2).mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -75,3 +75,12 @@ def test_bad_arguments():
         memkit.compare("flux", [memkit.Checkpointing()])
     with pytest.raises(ValueError, match="unit must be one of"):
         memkit.compare("flux", {}, repeats=0, progress=False).table(unit="MB")
+
+
+def test_random_ops_in_the_forward_draw_the_same_numbers_for_every_variant():
+    # DiT drops class labels at random in training mode; a variant that changes nothing must still pass.
+    for _ in range(3):
+        batch = lambda m: memkit.make_inputs(m, batch_size=8)  # noqa: E731 - 8 labels: a stray drop is likely
+        cmp = memkit.compare("dit", {"same": []}, inputs=batch, repeats=0, progress=False)
+        row = cmp.table().loc["same"]
+        assert row["pass"] and row["max |Δoutput|"] == 0.0 and row["max |Δgrad|"] == 0.0
