@@ -40,6 +40,8 @@ class VariantResult:
     """max over parameters of max |grad - baseline grad| (training only; 0.0 in inference)."""
     passed: bool = True
     """Both differences within the comparison's tolerance."""
+    measured: bool = True
+    """False for timelines put side by side with :meth:`Comparison.from_timelines` (no time, no differences)."""
 
 
 @dataclass
@@ -59,6 +61,30 @@ class Comparison:
     tolerance: float
     """A variant passes when max |Δ| ≤ tolerance × max(1, max |baseline|), for the output and every grad."""
     baseline: str = "baseline"
+
+    @classmethod
+    def from_timelines(
+        cls, timelines: Mapping[str, Timeline], *, mode: str = "training", baseline: str | None = None
+    ) -> Comparison:
+        """Put timelines that were not made by :func:`compare` (estimates, snapshots) side by side: same table
+        and figure, without time or output columns (nothing was run to compare outputs).
+
+        Example:
+            >>> tls = {"plain": memkit.estimate("flux"), "ckpt": memkit.estimate("flux", optimizations=[ckpt])}
+            >>> memkit.Comparison.from_timelines(tls).figure(unit="GiB").show()
+        """
+        if not timelines:
+            raise ValueError("timelines must map at least one name to a Timeline")
+        for name, tl in timelines.items():
+            if not isinstance(tl, Timeline):
+                raise TypeError(f"timelines[{name!r}] must be a Timeline, got {type(tl).__name__}")
+        names = list(timelines)
+        baseline = names[0] if baseline is None else baseline
+        if baseline not in timelines:
+            raise ValueError(f"baseline must be one of {names}, got {baseline!r}")
+        order = [baseline] + [n for n in names if n != baseline]
+        results = {n: VariantResult(n, timeline=timelines[n], measured=False) for n in order}
+        return cls(results=results, mode=mode, tolerance=float("nan"), baseline=baseline)
 
     def table(self, unit: str = "MiB") -> pd.DataFrame:
         """One row per variant: peak total and by category (in ``unit``), step time, differences, pass.
@@ -81,12 +107,14 @@ class Comparison:
             for cat in CATEGORIES:
                 if any(res.timeline.peak_by_category()[cat] for res in self.results.values()):
                     row[f"{cat} ({unit})"] = by_cat[cat] / scale
-            row["step (s)"] = r.seconds
-            row["time vs baseline"] = r.seconds / base.seconds if base.seconds > 0 else float("nan")
-            row["max |Δoutput|"] = r.max_abs_d_output
-            if self.mode == "training":
-                row["max |Δgrad|"] = r.max_abs_d_grad
-            row["pass"] = r.passed
+            row["peak phase"] = tl.peak_phase
+            if r.measured:
+                row["step (s)"] = r.seconds
+                row["time vs baseline"] = r.seconds / base.seconds if base.seconds > 0 else float("nan")
+                row["max |Δoutput|"] = r.max_abs_d_output
+                if self.mode == "training":
+                    row["max |Δgrad|"] = r.max_abs_d_grad
+                row["pass"] = r.passed
             rows.append(row)
         return pd.DataFrame(rows).set_index("variant")
 

@@ -254,7 +254,7 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
             fig.add_trace(bar, 1, 1)
     for (name, _, passed), peak in zip(rows, peaks, strict=True):
         total = sum(peak.values())
-        change = "baseline" if name == baseline or not base_peak else f"{(total / base_peak - 1):+.1%} vs baseline"
+        change = "baseline" if name == baseline or not base_peak else f"{(total / base_peak - 1):+.1%}<br>vs baseline"
         text = f"<b>{_fmt(total / div, unit)}</b><br>{change}" + ("" if passed else "<br>✗ outside tolerance")
         fig.add_annotation(x=name, y=total / div, text=text, showarrow=False, yanchor="bottom", row=1, col=1)
     for i, (name, tl, _) in enumerate(rows):

@@ -84,3 +84,19 @@ def test_random_ops_in_the_forward_draw_the_same_numbers_for_every_variant():
         cmp = memkit.compare("dit", {"same": []}, inputs=batch, repeats=0, progress=False)
         row = cmp.table().loc["same"]
         assert row["pass"] and row["max |Δoutput|"] == 0.0 and row["max |Δgrad|"] == 0.0
+
+
+def test_from_timelines_puts_estimates_side_by_side():
+    plain = memkit.estimate("flux", size="tiny", height=128, width=128)
+    ckpt = memkit.estimate("flux", size="tiny", height=128, width=128, optimizations=[memkit.Checkpointing()])
+    cmp = memkit.Comparison.from_timelines({"checkpointing": ckpt, "plain": plain}, baseline="plain")
+    table = cmp.table()
+    assert list(table.index) == ["plain", "checkpointing"]
+    assert "pass" not in table.columns and "step (s)" not in table.columns
+    assert table.loc["checkpointing", "peak (MiB)"] == ckpt.peak_bytes / 2**20
+    assert table.loc["plain", "peak phase"] == plain.peak_phase
+    assert len(cmp.figure().data) > 0
+    with pytest.raises(ValueError, match="baseline must be one of"):
+        memkit.Comparison.from_timelines({"a": plain}, baseline="b")
+    with pytest.raises(TypeError, match=r"timelines\['a'\] must be a Timeline"):
+        memkit.Comparison.from_timelines({"a": 1})

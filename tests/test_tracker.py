@@ -251,3 +251,17 @@ def test_a_failed_start_leaves_no_hook_on_the_model():
             pass
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     memkit.train_step(model, inputs)  # and the model still trains
+
+
+def test_peak_phase():
+    model = memkit.load_model("flux")
+    inputs = memkit.make_inputs(model, height=128, width=128)
+    with torch.no_grad(), track(model, inputs=inputs) as inference:
+        model(**inputs)
+    assert inference.peak_phase == "forward"
+    with track(model, inputs=inputs) as training:
+        memkit.train_step(model, inputs)
+    assert training.peak_phase == "backward"  # activations plus the first gradients, at this resolution
+    with track() as empty:
+        pass
+    assert empty.peak_phase == "other"

@@ -156,6 +156,12 @@ class Timeline:
         return 0.0 if i < 0 else float(self.time[i])
 
     @property
+    def peak_phase(self) -> str:
+        """The phase of the event at the peak ("other" if memory never rose above the baseline)."""
+        i = self.peak_index
+        return "other" if i < 0 else PHASES[self.column("phase")[i]]
+
+    @property
     def end_bytes(self) -> int:
         """Bytes live at the end of the window."""
         live = self.live_bytes
@@ -259,6 +265,7 @@ class Timeline:
             "peak_bytes": self.peak_bytes,
             "end_bytes": self.end_bytes,
             "peak_time": self.peak_time,
+            "peak_phase": self.peak_phase,
             "peak_by_category": self.peak_by_category(),
         }
 
