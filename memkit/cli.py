@@ -31,6 +31,7 @@ import torch
 import memkit
 
 from .handle import Optimization
+from .units import UNITS, best_unit, format_bytes
 
 __all__ = [
     "OPTIMIZATION_FLAGS",
@@ -43,7 +44,6 @@ __all__ = [
 ]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _SIZE_FLAGS = {"height": "pixels", "width": "pixels", "frames": "video frames", "text_len": "text tokens"}
 _CHROMIUM = "/usr/bin/chromium"
 
@@ -114,14 +114,6 @@ def _optimizations(args: argparse.Namespace) -> list[Optimization]:
 
 
 # ---- formatting ---------------------------------------------------------------------------------------------
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _fmt_count(n: int) -> str:
     for scale, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "k")):
         if n >= scale:
@@ -132,10 +124,6 @@ def _fmt_count(n: int) -> str:
 def _rows(rows: Sequence[tuple[str, str]], indent: str = "  ") -> str:
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{indent}{k:<{width}}  {v}" for k, v in rows)
-
-
-def _unit_for(nbytes: int) -> str:
-    return next(u for u in ("GiB", "MiB", "KiB", "B") if nbytes >= _UNITS[u] or u == "B")
 
 
 def machine_info() -> dict[str, str]:
@@ -267,7 +255,7 @@ def _estimate(args: argparse.Namespace) -> int:
         from .plots import timeline_figure
 
         title = f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}, {args.device}"
-        fig = timeline_figure(timeline, title=title, unit=_unit_for(timeline.peak_bytes))
+        fig = timeline_figure(timeline, title=title, unit=best_unit(timeline.peak_bytes))
         for path, png in ((args.html, False), (args.png, True)):
             if path:
                 _write_figure(fig, path, png=png)
@@ -275,7 +263,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    div = _UNITS[args.unit]
+    div = UNITS[args.unit]
     num = ",.0f" if args.unit == "B" else ",.3f"
     inputs = [f"{shape['height']}x{shape['width']} px"] if "height" in shape else []
     inputs += [f"{shape['frames']} frames"] if "frames" in shape else []
@@ -335,16 +323,16 @@ def _inspect(args: argparse.Namespace) -> int:
     rows = [
         ("events", f"{len(timeline):,}"),
         ("devices", ", ".join(timeline.devices) or "none"),
-        ("baseline", f"{_fmt_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)"),
-        ("peak", f"{_fmt_bytes(timeline.peak_bytes)} ({timeline.peak_bytes:,} B)"),
+        ("baseline", f"{format_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)"),
+        ("peak", f"{format_bytes(timeline.peak_bytes)} ({timeline.peak_bytes:,} B)"),
         ("peak at", f"{timeline.peak_time:.4g} {unit}" + ("" if unit == "s" else " (the trace has no times)")),
     ]
-    rows += [(f"  {c}", _fmt_bytes(v)) for c, v in timeline.peak_by_category().items() if v]
+    rows += [(f"  {c}", format_bytes(v)) for c, v in timeline.peak_by_category().items() if v]
     for key, label in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated (blocks)")):
         for device, nbytes in (meta.get(key) or {}).items():
-            rows.append((f"{label} {device}", _fmt_bytes(nbytes)))
+            rows.append((f"{label} {device}", format_bytes(nbytes)))
     for device, nbytes in (meta.get("unaccounted_bytes") or {}).items():
-        rows.append((f"unaccounted {device}", f"{_fmt_bytes(nbytes)} (trace and segments disagree)"))
+        rows.append((f"unaccounted {device}", f"{format_bytes(nbytes)} (trace and segments disagree)"))
     print(f"memkit inspect: {args.snapshot}\n")
     print(_rows(rows))
     if not top:
@@ -357,7 +345,7 @@ def _inspect(args: argparse.Namespace) -> int:
         path, _, func = frame.partition(" ")
         frame = f"{Path(path).name} {func}".strip()
         where = "  at ".join(w for w in (a["op"], frame) if w) or "?"
-        table.append((_fmt_bytes(a["bytes"]), a["category"], a["phase"], where))
+        table.append((format_bytes(a["bytes"]), a["category"], a["phase"], where))
     widths = [max(len(r[i]) for r in table) for i in range(3)]
     for size, category, phase, where in table:
         print(f"  {size:>{widths[0]}}  {category:<{widths[1]}}  {phase:<{widths[2]}}  {where}")
@@ -396,7 +384,7 @@ def _report(args: argparse.Namespace) -> int:
     stages.update()
     stages.set_postfix_str("figures")
     base = comparison.results[comparison.baseline].timeline
-    unit = _unit_for(base.peak_bytes)
+    unit = best_unit(base.peak_bytes)
     figures = [
         ("Peak by category and memory over the step", comparison_figure(comparison, unit=unit)),
         ("Baseline timeline", timeline_figure(base, title=f"baseline: {preset} ({size}), {args.mode}", unit=unit)),
@@ -527,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_argument_group("optimizations (several compose, applied in this order)")
     for spec in OPTIMIZATION_FLAGS:
         group.add_argument(spec.flag, dest=spec.dest, help=spec.help, default=None, **spec.argument)
-    p.add_argument("--unit", choices=tuple(_UNITS), default="GiB", help="unit of the printed table")
+    p.add_argument("--unit", choices=tuple(UNITS), default="GiB", help="unit of the printed table")
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")
     p.add_argument("--png", metavar="FILE", help="write the memory timeline as a PNG (needs kaleido and Chromium)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (bytes, seconds) instead")

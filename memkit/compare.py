@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from .handle import Optimization, apply_all
 from .memory import CATEGORIES, Timeline, track
 from .models import PRESETS, load_model, make_inputs, model_output, train_step
+from .units import unit_scale
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Comparison:
         Example:
             >>> memkit.compare("flux", {"ckpt": [memkit.Checkpointing()]}).table()
         """
-        scale = _unit_scale(unit)
+        scale = unit_scale(unit)
         base = self.results[self.baseline]
         rows = []
         for name, r in self.results.items():
@@ -129,16 +130,6 @@ class Comparison:
 
     def __repr__(self) -> str:
         return f"Comparison(mode={self.mode!r}, variants={list(self.results)})"
-
-
-_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
-
-
-def _unit_scale(unit: str) -> int:
-    try:
-        return _UNITS[unit]
-    except KeyError:
-        raise ValueError(f"unit must be one of {list(_UNITS)}, got {unit!r}") from None
 
 
 def _model_factory(model: str | Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.nn.Module]:

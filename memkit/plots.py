@@ -8,7 +8,7 @@ No torch, no widgets: every function takes plain data and returns a ``go.Figure`
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
@@ -16,11 +16,10 @@ from plotly.subplots import make_subplots
 
 from .memory.events import CATEGORIES, PHASES
 from .memory.timeline import Timeline
+from .units import Unit, unit_scale
 
 __all__ = ["CATEGORY_COLORS", "PHASE_COLORS", "categories_figure", "comparison_figure", "decimate", "timeline_figure"]
 
-Unit = Literal["B", "KiB", "MiB", "GiB"]
-_UNITS: dict[str, int] = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 CATEGORY_COLORS: dict[str, str] = {
     "parameter": "#4C78A8",
@@ -46,12 +45,6 @@ PHASE_COLORS: dict[str, str] = {
 _VARIANT_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
 _LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": {"groupclick": "toggleitem"}, "margin": {"r": 20}}
 _MAX_PHASE_SPANS = 200  # beyond this, shading is binned: more rectangles than pixels only bloat the figure
-
-
-def _divisor(unit: str) -> int:
-    if unit not in _UNITS:
-        raise ValueError(f"unit must be one of {list(_UNITS)}, got {unit!r}")
-    return _UNITS[unit]
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -165,7 +158,7 @@ def timeline_figure(
         ...     step()
         >>> memkit.plots.timeline_figure(tl, unit="GiB").show()
     """
-    div = _divisor(unit)
+    div = unit_scale(unit)
     x, _, by_cat = _series(timeline, max_points)
     x32 = x.astype(np.float32)  # a third smaller figure; float32 still resolves 8 µs at t = 100 s
     fig = go.Figure()
@@ -232,7 +225,7 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
         >>> cmp = memkit.compare(model, inputs, variants={"ckpt": [memkit.Checkpointing(every=2)]})
         >>> memkit.plots.comparison_figure(cmp, unit="GiB").show()
     """
-    div = _divisor(unit)
+    div = unit_scale(unit)
     rows = _results(comparison)
     names = [name for name, _, _ in rows]
     baseline = getattr(comparison, "baseline", names[0])
@@ -282,7 +275,7 @@ def categories_figure(timeline: Timeline, *, unit: Unit = "MiB") -> go.Figure:
         ...     model(x)
         >>> memkit.plots.categories_figure(tl).show()
     """
-    div = _divisor(unit)
+    div = unit_scale(unit)
     peak = {c: v for c, v in timeline.peak_by_category().items() if v}
     total = sum(peak.values()) or 1
     fig = go.Figure(

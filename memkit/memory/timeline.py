@@ -7,15 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ..units import format_bytes
 from .events import ALLOC, CATEGORIES, COLUMNS, PHASES
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class Timeline:
@@ -298,6 +291,6 @@ class Timeline:
         label = self.meta.get("label")
         head = f"Timeline({label!r}, " if label else "Timeline("
         return (
-            f"{head}events={len(self)}, baseline={_format_bytes(self.baseline_bytes)}, "
-            f"peak={_format_bytes(self.peak_bytes)})"
+            f"{head}events={len(self)}, baseline={format_bytes(self.baseline_bytes)}, "
+            f"peak={format_bytes(self.peak_bytes)})"
         )

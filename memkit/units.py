@@ -1,0 +1,43 @@
+"""Byte units shared by tables, figures and the command line (binary: 1 MiB = 2**20 bytes)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Unit = Literal["B", "KiB", "MiB", "GiB"]
+UNITS: dict[str, int] = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def unit_scale(unit: str) -> int:
+    """Bytes in one ``unit``; a ValueError names the allowed units.
+
+    Example:
+        >>> unit_scale("MiB")
+        1048576
+    """
+    try:
+        return UNITS[unit]
+    except KeyError:
+        raise ValueError(f"unit must be one of {list(UNITS)}, got {unit!r}") from None
+
+
+def best_unit(nbytes: float) -> str:
+    """The largest unit in which ``nbytes`` is at least 1 (B for less than a KiB).
+
+    Example:
+        >>> best_unit(3 * 2**30)
+        'GiB'
+    """
+    return next(u for u in ("GiB", "MiB", "KiB", "B") if abs(nbytes) >= UNITS[u] or u == "B")
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in its best unit, e.g. ``"1.50 GiB"`` or ``"512 B"``.
+
+    Example:
+        >>> format_bytes(1536 * 2**20)
+        '1.50 GiB'
+    """
+    unit = best_unit(nbytes)
+    value = nbytes / UNITS[unit]
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
