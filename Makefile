@@ -18,8 +18,12 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lab,dev]"
 	touch $(STAMP)
 
+# Jupyter refuses to run as root unless told; containers and cloud machines often are root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+LAB_ARGS ?=
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/00_quickstart.ipynb
+	$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_quickstart.ipynb
 
 test: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
