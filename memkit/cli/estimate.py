@@ -1,0 +1,116 @@
+"""``memkit estimate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import memkit
+
+from ..units import UNITS, best_unit
+from ._common import (
+    DTYPES,
+    SIZE_FLAGS,
+    CLIError,
+    check_preset,
+    check_writable,
+    fmt_count,
+    optimizations_from,
+    rows_text,
+    write_figure,
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``memkit estimate``: a full-size step on fake tensors, printed as a table or JSON."""
+    check_preset(args.preset)
+    optimizations = optimizations_from(args, args.optimization_flags)
+    training = args.mode == "training"
+    optimizer = args.optimizer
+    if not training and optimizer not in (None, "none"):
+        raise CLIError(f"--optimizer {optimizer} applies to training only; drop it or drop --inference")
+    optimizer = (optimizer or "adamw") if training else None
+    optimizer = None if optimizer == "none" else optimizer
+    sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    allowed = memkit.PRESETS[args.preset].input_sizes[args.size]
+    unknown = [k for k in sizes if k not in allowed]
+    if unknown:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
+        accepted = ", ".join("--" + k.replace("_", "-") for k in allowed)
+        raise CLIError(f"{flags} does not apply to {args.preset!r}; it takes {accepted}")
+    check_writable(args.html)
+    check_writable(args.png)
+    try:
+        timeline = memkit.estimate(
+            args.preset,
+            mode=args.mode,
+            optimizations=optimizations,
+            dtype=DTYPES[args.dtype],
+            size=args.size,
+            optimizer=optimizer,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            device=args.device,
+            **sizes,
+        )
+    except ValueError as e:  # sizes that do not fit the model, an optimization the model refuses
+        raise CLIError(str(e)) from None
+    meta = timeline.meta
+    shape = {**allowed, **sizes}
+    result = {
+        "preset": args.preset,
+        "size": args.size,
+        "mode": args.mode,
+        "dtype": meta["dtype"],
+        "optimizer": optimizer,
+        "device": args.device,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "inputs": shape,
+        "optimizations": [str(o) for o in optimizations],
+        "parameters": meta["parameters"],
+        "events": len(timeline),
+        "baseline_bytes": timeline.baseline_bytes,
+        "peak_bytes": timeline.peak_bytes,
+        "peak_by_category": timeline.peak_by_category(),
+        "seconds": meta["seconds"],
+    }
+    out = sys.stderr if args.json else sys.stdout
+    if args.html or args.png:
+        from ..plots import timeline_figure
+
+        title = f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}, {args.device}"
+        fig = timeline_figure(timeline, title=title, unit=best_unit(timeline.peak_bytes))
+        for path, png in ((args.html, False), (args.png, True)):
+            if path:
+                write_figure(fig, path, png=png)
+                print(f"wrote {path}", file=out)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    div = UNITS[args.unit]
+    num = ",.0f" if args.unit == "B" else ",.3f"
+    inputs = [f"{shape['height']}x{shape['width']} px"] if "height" in shape else []
+    inputs += [f"{shape['frames']} frames"] if "frames" in shape else []
+    inputs += [f"{shape['text_len']} text tokens"] if "text_len" in shape else []
+    inputs = ", ".join(inputs)
+    print(
+        f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}, "
+        f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}, {inputs}"
+    )
+    print(f"optimizations: {', '.join(result['optimizations']) or 'none'}\n")
+    rows = [
+        ("parameters", fmt_count(meta["parameters"])),
+        (f"baseline ({args.unit})", f"{timeline.baseline_bytes / div:{num}}"),
+        (f"peak ({args.unit})", f"{timeline.peak_bytes / div:{num}}"),
+    ]
+    rows += [(f"  {c}", f"{v / div:{num}}") for c, v in result["peak_by_category"].items() if v]
+    rows.append(("estimated in", f"{meta['seconds']:.1f} s ({len(timeline):,} events)"))
+    print(rows_text(rows))
+    if args.device == "cuda":
+        print(
+            "\nThe peak compares with torch.cuda.max_memory_allocated(); add the CUDA context (~0.3-0.5 GiB), "
+            "cuBLAS workspaces and fragmentation for nvidia-smi."
+        )
+    return 0
