@@ -101,7 +101,7 @@ def _load_gc_paused(path: str):
 
 
 def _case(trace_entries: int, folder: str, repeats: int) -> dict:
-    from memkit.memory.snapshot import read_snapshot, write_snapshot
+    from memkit.memory import read_snapshot, write_snapshot
 
     timeline = synthetic_timeline(trace_entries)
     path = os.path.join(folder, f"synthetic_{trace_entries}.pickle")

@@ -26,7 +26,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory):
     """A snapshot of a tracked tiny training step, and that step's timeline."""
-    from memkit.memory.snapshot import write_snapshot
+    from memkit.memory import write_snapshot
 
     model = memkit.load_model(PRESET)
     inputs = memkit.make_inputs(model)

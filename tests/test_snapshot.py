@@ -18,7 +18,8 @@ import memkit
 from memkit.memory import CATEGORIES, PHASES, Timeline
 from memkit.memory.cuda import CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
 from memkit.memory.events import ALLOC, COLUMNS, FREE
-from memkit.memory.snapshot import STACK_FRAMES, SnapshotError, load_snapshot, read_snapshot, write_snapshot
+from memkit.memory.snapshot import STACK_FRAMES, SnapshotError, load_snapshot, read_snapshot
+from memkit.memory.snapshot_write import write_snapshot
 
 # ---- fixtures in torch's schema ------------------------------------------------------------------------------
 

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarize a CUDA memory snapshot (.pickle) and its largest allocations at the peak",
         description=_wrap(
             "Read a CUDA allocator snapshot (torch.cuda.memory._dump_snapshot(), or one written by "
-            "memkit.memory.snapshot.write_snapshot) safely, without running any code it may contain, and print its "
+            "memkit.memory.write_snapshot) safely, without running any code it may contain, and print its "
             "events, devices, baseline, peak (bytes), the time of the peak (seconds), the peak by category, the "
             "allocator's reserved bytes, and the N largest allocations live at the peak."
         ),

@@ -2,7 +2,8 @@
 
 from .cuda import CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
 from .events import CATEGORIES, PHASES
-from .snapshot import SnapshotError, load_snapshot, read_snapshot, write_snapshot
+from .snapshot import SnapshotError, load_snapshot, read_snapshot
+from .snapshot_write import write_snapshot
 from .timeline import Timeline
 from .tracker import Tracker, phase, tag, track, tracking
 

@@ -1,5 +1,5 @@
 """CUDA memory snapshots: read the pickles of ``torch.cuda.memory._dump_snapshot()`` into a :class:`Timeline`,
-and write a Timeline as one (for pytorch.org/memory_viz). Recording one on a CUDA machine: ``cuda.py``.
+and (in ``snapshot_write.py``) write a Timeline as one for pytorch.org/memory_viz. Recording on CUDA: ``cuda.py``.
 
 A snapshot is ``{"segments": [...], "device_traces": [[...], ...], ...}``: the allocator's segments and blocks
 when it was taken, and per device the last ``max_entries`` allocator actions. Conventions, following torch's
@@ -35,7 +35,6 @@ import io
 import os
 import pickle
 import re
-import time
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from itertools import repeat
@@ -47,7 +46,7 @@ import numpy as np
 from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, FREE, PHASE_CODE, PHASES, check_category
 from .timeline import Timeline
 
-__all__ = ["SnapshotError", "load_snapshot", "read_snapshot", "write_snapshot"]
+__all__ = ["SnapshotError", "load_snapshot", "read_snapshot"]
 
 MARKER_FILENAME = "memkit"
 STACK_FRAMES = 8  # innermost frames kept as a Timeline frame text, as the tracker keeps
@@ -58,9 +57,6 @@ _FOREIGN_CATEGORY = {**{c: CATEGORY_CODE[c] for c in CATEGORIES}, "autograd_deta
 _CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh")
 _FRAME_LINE = re.compile(r"^(.*):(\d+) (.*)$")
 _MIX = np.random.default_rng(0x6D656D6B6974).integers(1, 2**63, size=16, dtype=np.uint64) | np.uint64(1)
-_BLOCK_ALIGN = 512  # the caching allocator's smallest block
-_SEGMENT_ALIGN = 2 << 20  # large segments are multiples of 2 MiB
-_ADDRESS_BASE = 0x7F0000000000
 
 
 class SnapshotError(ValueError):
@@ -472,189 +468,3 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
         frames=frames.texts,
         meta=meta,
     )
-
-
-# ---- writing --------------------------------------------------------------------------------------------------
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-class _Addresses:
-    """Addresses for one device: reuse a freed block of the same rounded size, else grow. Unique while live."""
-
-    def __init__(self, base: int):
-        self.base, self.top = base, base
-        self._free: dict[int, list[int]] = {}
-
-    def alloc(self, rounded: int) -> int:
-        pool = self._free.get(rounded)
-        if pool:
-            return pool.pop()
-        addr, self.top = self.top, self.top + rounded
-        return addr
-
-    def free(self, addr: int, rounded: int) -> None:
-        self._free.setdefault(rounded, []).append(addr)
-
-
-def _rounded(n: int) -> int:
-    return max(_BLOCK_ALIGN, -(-n // _BLOCK_ALIGN) * _BLOCK_ALIGN)
-
-
-def _entry(action: str, addr: int, size: int, time_us: int, frames: list, **extra: Any) -> dict:
-    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": time_us, "frames": frames, **extra}
-
-
-def _block(addr: int, size: int, requested: int, frames: list | None = None) -> dict:
-    state = "inactive" if frames is None else "active_allocated"
-    return {"address": addr, "size": size, "requested_size": requested, "state": state, "frames": frames or []}
-
-
-def write_snapshot(timeline: Timeline, path: str | os.PathLike | None = None) -> dict:
-    """Write ``timeline`` as a CUDA memory snapshot in torch's schema; return the dict (saved to ``path`` if given).
-
-    torch's ``_memory_viz`` functions and pytorch.org/memory_viz open it: allocations are ``alloc`` entries,
-    frees ``free_requested`` + ``free_completed`` pairs, addresses are synthesized (512-byte aligned, reused only
-    once free), one segment per device holds the blocks live at the end, and the baseline is live from before
-    the trace (blocks per category; baseline storages freed in the window become blocks that the trace frees).
-    Each entry carries memkit's marker frame, so :func:`read_snapshot` gives back the same bytes, actions,
-    categories, phases and ops. Pickle protocol 4, the newest the viz reads.
-
-    Example:
-        >>> with memkit.track(model, inputs=inputs) as tl:
-        ...     memkit.train_step(model, inputs)
-        >>> write_snapshot(tl, "step.pickle")          # drag onto pytorch.org/memory_viz
-    """
-    if not isinstance(timeline, Timeline):
-        raise TypeError(f"timeline must be a memkit Timeline, got {type(timeline).__name__}")
-    with _gc_paused():
-        data = _snapshot_of(timeline)
-        if path is not None:
-            tmp = f"{os.fspath(path)}.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump(data, f, protocol=4)
-            os.replace(tmp, path)
-    return data
-
-
-def _snapshot_of(timeline: Timeline) -> dict:
-    c = {name: timeline.column(name).tolist() for name, _ in COLUMNS}
-    names = timeline.devices or ["cuda:0"]
-    indices = _device_indices(names)
-    zero_us = int(time.time() * 1e6)
-
-    stacks: dict[tuple, list] = {}
-
-    def stack(category: int, phase: int, op: int, frame: int) -> list:
-        key = (category, phase, op, frame)
-        s = stacks.get(key)
-        if s is None:
-            op_name = timeline.ops[op] if 0 <= op < len(timeline.ops) else None
-            text = timeline.frames[frame] if 0 <= frame < len(timeline.frames) else None
-            s = stacks[key] = [_marker(category, phase, op_name), *_stack_of(text)]
-        return s
-
-    # storages freed in the window but allocated before it: they are part of the baseline
-    live: dict[int, int] = {}
-    before: list[int] = []
-    for i, (action, key) in enumerate(zip(c["action"], c["storage"], strict=True)):
-        if action == ALLOC:
-            live[key] = i
-        elif live.pop(key, None) is None:
-            before.append(i)
-    remainder = timeline.baseline_by_category
-    for i in before:
-        remainder[CATEGORIES[c["category"][i]]] -= c["bytes"][i]
-    short = {k: -v for k, v in remainder.items() if v < 0}
-    if short:
-        raise ValueError(f"timeline frees more bytes of pre-window storages than its baseline holds: {short}")
-
-    traces: list[list[dict]] = [[] for _ in range(max(indices.values()) + 1)]
-    spaces = {d: _Addresses(_ADDRESS_BASE + d * (1 << 40)) for d in indices.values()}
-    blocks: dict[int, dict[int, dict]] = {d: {} for d in indices.values()}  # live blocks by address
-    first_device = indices[names[c["device"][0]]] if c["action"] else indices[names[0]]
-    for category, nbytes in remainder.items():  # baseline still live at the end
-        if nbytes > 0:
-            code = CATEGORY_CODE[category]
-            _add_block(blocks[first_device], spaces[first_device], nbytes, stack(code, PHASE_CODE["other"], -1, -1))
-    before_addr = {}
-    for i in before:
-        d = indices[names[c["device"][i]]]
-        s = stack(c["category"][i], PHASE_CODE["other"], -1, -1)
-        before_addr[i] = _add_block(blocks[d], spaces[d], c["bytes"][i], s)
-
-    open_: dict[int, tuple[int, int]] = {}  # storage key -> (device index, address)
-    for i in range(len(c["action"])):
-        d = indices[names[c["device"][i]]]
-        nbytes, key = c["bytes"][i], c["storage"][i]
-        time_us = zero_us + round(c["time"][i] * 1e6)
-        s = stack(c["category"][i], c["phase"][i], c["op"][i], c["frame"][i])
-        if c["action"][i] == ALLOC:
-            if key in open_:  # allocated twice without a free: the first stays live
-                del open_[key]
-            addr = _add_block(blocks[d], spaces[d], nbytes, s)
-            open_[key] = (d, addr)
-            traces[d].append(_entry("alloc", addr, nbytes, time_us, s, category=CATEGORIES[c["category"][i]]))
-            continue
-        d, addr = open_.pop(key) if i not in before_addr else (d, before_addr[i])
-        block = blocks[d].pop(addr)
-        spaces[d].free(addr, block["size"])
-        traces[d] += [_entry(a, addr, nbytes, time_us, s) for a in ("free_requested", "free_completed")]
-    end_us = zero_us + round((c["time"][-1] if c["time"] else 0.0) * 1e6)
-    for trace in traces:
-        if trace:  # the viz colours by category and crashes unless "unknown" is one (a typo in MemoryViz.js)
-            trace.append(_entry("snapshot", 0, 0, end_us, [], category="unknown"))
-    return {
-        "segments": [_segment(d, spaces[d], blocks[d]) for d in sorted(spaces) if spaces[d].top > spaces[d].base],
-        "device_traces": traces,
-        "allocator_settings": {},
-        "external_annotations": [],
-        "memkit": {
-            "version": 1,
-            "devices": {indices[name]: name for name in names},
-            "time_zero_us": zero_us,
-            "meta": {k: v for k, v in timeline.meta.items() if isinstance(k, str) and _plain(v)},
-        },
-    }
-
-
-def _device_indices(names: list[str]) -> dict[str, int]:
-    """``cuda:N`` keeps index N when every device is a CUDA one; otherwise devices are numbered in order."""
-    m = [re.fullmatch(r"cuda:(\d+)", n) for n in names]
-    if all(m) and len({int(x[1]) for x in m}) == len(names):
-        return {n: int(x[1]) for n, x in zip(names, m, strict=True)}
-    return {n: i for i, n in enumerate(names)}
-
-
-def _add_block(blocks: dict[int, dict], space: _Addresses, nbytes: int, frames: list) -> int:
-    rounded = _rounded(nbytes)
-    addr = space.alloc(rounded)
-    blocks[addr] = _block(addr, rounded, nbytes, frames)
-    return addr
-
-
-def _segment(device: int, space: _Addresses, live: dict[int, dict]) -> dict:
-    """One segment tiled by the live blocks and the gaps between them, as the allocator reports it."""
-    end = space.base + -(-(space.top - space.base) // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
-    blocks, cursor = [], space.base
-    for addr in [*sorted(live), end]:
-        if addr > cursor:
-            blocks.append(_block(cursor, addr - cursor, 0))
-        if addr < end:
-            blocks.append(live[addr])
-            cursor = addr + live[addr]["size"]
-    allocated = sum(b["size"] for b in live.values())
-    return {
-        "device": device,
-        "address": space.base,
-        "total_size": end - space.base,
-        "allocated_size": allocated,
-        "active_size": allocated,
-        "requested_size": sum(b["requested_size"] for b in live.values()),
-        "stream": 0,
-        "segment_type": "large",
-        "segment_pool_id": (0, 0),
-        "is_expandable": False,
-        "frames": [],
-        "blocks": blocks,
-    }

@@ -283,7 +283,7 @@ class Timeline:
         Example:
             >>> tl.to_snapshot("step.pickle")   # open it at pytorch.org/memory_viz
         """
-        from .snapshot import write_snapshot
+        from .snapshot_write import write_snapshot
 
         return write_snapshot(self, path)
 
