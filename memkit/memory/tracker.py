@@ -122,7 +122,7 @@ class Tracker:
         return phase
 
     def _op_info(self, func) -> tuple:
-        # Keyed by id: OpOverload's __hash__ is Python code, and ops live as long as the process.
+        # Keyed by id: OpOverload's __hash__ is Python code. The tuple keeps ``func`` alive, so its id stays its own.
         info = self._ops.get(id(func))
         if info is None:
             # lift_fresh returns the tensor that torch.tensor(data) just built outside dispatch: a new storage.

@@ -109,9 +109,3 @@ def workspace_fn(func, device: str | None = None) -> WorkspaceFn | None:
     if kernel is None:
         return lambda args, kwargs, out: _wrapped_scalars(slots, args)
     return lambda args, kwargs, out: _wrapped_scalars(slots, args) + kernel(args, kwargs, out)
-
-
-def workspace_bytes(func, args, kwargs, out, device: str | None = None) -> int:
-    """Bytes of internal buffers ``func`` allocated and freed while producing ``out`` (0 when none known)."""
-    fn = workspace_fn(func, device)
-    return fn(args, kwargs, out) if fn is not None else 0
