@@ -265,3 +265,17 @@ def test_peak_phase():
     with track() as empty:
         pass
     assert empty.peak_phase == "other"
+
+
+@pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
+def test_peak_equals_profiler_in_bfloat16(preset):
+    # bf16 takes other kernel paths (reduced-precision flash-attention buffers, casts in AdamW)
+    model = memkit.load_model(preset, dtype=torch.bfloat16)
+    inputs = memkit.make_inputs(model)
+    opt = torch.optim.AdamW(model.parameters())
+    memkit.train_step(model, inputs, opt)
+    tl, (prof_peak, prof_end) = tracked_and_profiled(
+        lambda: memkit.train_step(model, inputs, opt), model=model, optimizer=opt, inputs=inputs
+    )
+    assert tl.peak_bytes - tl.baseline_bytes == prof_peak
+    assert tl.end_bytes - tl.baseline_bytes == prof_end
