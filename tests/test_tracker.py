@@ -279,3 +279,19 @@ def test_peak_equals_profiler_in_bfloat16(preset):
     )
     assert tl.peak_bytes - tl.baseline_bytes == prof_peak
     assert tl.end_bytes - tl.baseline_bytes == prof_end
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2, 72, 16), (2, 4, 300, 32), (1, 2, 800, 8)])
+def test_attention_kernel_buffers_equal_the_profiler(shape, dtype, threads):
+    # CPU flash attention allocates per-thread buffers inside the kernel, sized by the sequence split
+    torch.set_num_threads(threads)
+    q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    tl, (prof_peak, prof_end) = tracked_and_profiled(step, inputs={"q": q, "k": k, "v": v})
+    assert tl.peak_bytes - tl.baseline_bytes == prof_peak
+    assert tl.end_bytes - tl.baseline_bytes == prof_end
