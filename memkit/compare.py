@@ -95,19 +95,19 @@ class Comparison:
         """
         scale = unit_scale(unit)
         base = self.results[self.baseline]
+        peaks = {name: r.timeline.peak_by_category() for name, r in self.results.items()}
+        shown = [cat for cat in CATEGORIES if any(p[cat] for p in peaks.values())]
         rows = []
         for name, r in self.results.items():
             tl = r.timeline
-            by_cat = tl.peak_by_category()
             row = {
                 "variant": name,
                 "optimizations": ", ".join(str(o) for o in r.optimizations) or "-",
                 f"peak ({unit})": tl.peak_bytes / scale,
                 "peak vs baseline": tl.peak_bytes / base.timeline.peak_bytes,
             }
-            for cat in CATEGORIES:
-                if any(res.timeline.peak_by_category()[cat] for res in self.results.values()):
-                    row[f"{cat} ({unit})"] = by_cat[cat] / scale
+            for cat in shown:
+                row[f"{cat} ({unit})"] = peaks[name][cat] / scale
             row["peak phase"] = tl.peak_phase
             if r.measured:
                 row["step (s)"] = r.seconds
@@ -190,7 +190,8 @@ def compare(
         model_fn: a preset name (its tiny size) or a callable returning a model.
         variants: name → list of optimizations (e.g. ``{"checkpointing": [memkit.Checkpointing("all")]}``).
         mode: ``"training"`` or ``"inference"``.
-        inputs: forward kwargs, a callable ``inputs(model)``, or None for ``memkit.make_inputs(model, seed=seed)``.
+        inputs: forward kwargs, a callable ``inputs(model)`` (called once, with the first model), or None for
+            ``memkit.make_inputs(model, seed=seed)``; every variant runs on the same tensors.
         seed: seeds the weights of a preset, the default inputs, and the random numbers of the compared step
             (the same for every variant, so dropout does not count as a difference).
         tolerance: relative tolerance of the pass/fail column (see :class:`Comparison`).
@@ -218,6 +219,7 @@ def compare(
     state: dict[str, torch.Tensor] | None = None
     ref_out: torch.Tensor | None = None
     ref_grads: dict[str, torch.Tensor] = {}
+    step_inputs: Mapping[str, Any] | None = None
     bar = tqdm(runs.items(), desc="compare", disable=not progress, leave=False)
     for name, opts in bar:
         bar.set_postfix_str(name)
@@ -226,9 +228,10 @@ def compare(
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:
             model.load_state_dict(state)
-        step_inputs = inputs(model) if callable(inputs) else inputs
-        if step_inputs is None:
-            step_inputs = make_inputs(model, seed=seed)
+        if step_inputs is None:  # built once, from the first model: every variant runs on the same tensors
+            step_inputs = inputs(model) if callable(inputs) else inputs
+            if step_inputs is None:
+                step_inputs = make_inputs(model, seed=seed)
         with apply_all(model, opts):
             model.zero_grad(set_to_none=True)
             captured: list[torch.Tensor] = []

@@ -106,7 +106,9 @@ class Timeline:
     def signed_bytes(self) -> np.ndarray:
         """Bytes per event: positive for an allocation, negative for a free."""
         b = self.column("bytes")
-        return np.where(self._columns["action"] == ALLOC, b, -b)
+        if "signed" not in self._cache:
+            self._cache["signed"] = np.where(self._columns["action"] == ALLOC, b, -b)
+        return self._cache["signed"]
 
     # ---- totals -------------------------------------------------------------------------------------------
     @property
@@ -132,9 +134,10 @@ class Timeline:
     def peak_index(self) -> int:
         """Index of the event after which memory was highest (the first such), or -1 if it never rose."""
         live = self.live_bytes
-        if len(live) == 0 or live.max() <= self.baseline_bytes:
-            return -1
-        return int(np.argmax(live))
+        if "peak_index" not in self._cache:
+            empty = len(live) == 0 or live.max() <= self.baseline_bytes
+            self._cache["peak_index"] = -1 if empty else int(np.argmax(live))
+        return self._cache["peak_index"]
 
     @property
     def peak_bytes(self) -> int:
@@ -184,7 +187,10 @@ class Timeline:
 
     def peak_by_category(self) -> dict[str, int]:
         """Bytes live by category at the peak; the values sum to ``peak_bytes``."""
-        return self.bytes_by_category_at(self.peak_index)
+        index = self.peak_index
+        if "peak_by_category" not in self._cache:
+            self._cache["peak_by_category"] = self.bytes_by_category_at(index)
+        return dict(self._cache["peak_by_category"])
 
     def phase_spans(self) -> list[tuple[str, float, float]]:
         """Contiguous runs of one phase as ``(phase, start_time, end_time)``, in order."""

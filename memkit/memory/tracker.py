@@ -33,8 +33,7 @@ from .events import ALLOC, CATEGORIES, CATEGORY_CODE, FREE, PHASE_CODE, EventLog
 from .timeline import Timeline
 
 _FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = (PHASE_CODE[p] for p in ("forward", "backward", "optimizer", "other"))
-_ACTIVATION, _TEMPORARY, _GRADIENT = (CATEGORY_CODE[c] for c in ("activation", "temporary", "gradient"))
-_OPTIMIZER_STATE = CATEGORY_CODE["optimizer_state"]
+_ACTIVATION, _TEMPORARY = CATEGORY_CODE["activation"], CATEGORY_CODE["temporary"]
 
 _active: list[Tracker] = []  # innermost last
 _FRESH = {torch.ops.aten.lift_fresh.default}
