@@ -122,11 +122,8 @@ def _phase_spans(timeline: Timeline) -> list[tuple[str, float, float]]:
     phase, time = timeline.column("phase").astype(np.int64), timeline.time
     if len(phase) == 0:
         return []
-    change = np.flatnonzero(np.diff(phase)) + 1
-    if len(change) < _MAX_PHASE_SPANS:
-        starts = np.concatenate([[0], change])
-        ends = np.append(time[change], time[-1])
-        return [(PHASES[phase[s]], float(time[s]), float(e)) for s, e in zip(starts, ends, strict=True)]
+    if np.count_nonzero(np.diff(phase)) < _MAX_PHASE_SPANS:
+        return timeline.phase_spans()
     # Too many runs to draw: take the most frequent phase in each of _MAX_PHASE_SPANS equal time bins.
     t0, t1, k, p = float(time[0]), float(time[-1]), _MAX_PHASE_SPANS, len(PHASES)
     bins = np.clip(((time - t0) / max(t1 - t0, 1e-12) * k).astype(np.int64), 0, k - 1)
