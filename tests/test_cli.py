@@ -169,7 +169,6 @@ def test_inspect_refuses_bad_snapshots_cleanly(capsys, snapshot, tmp_path):
     files = {
         "truncated.pickle": good[: len(good) // 2],
         "garbage.pickle": b"\x00not a pickle at all" * 10,
-        "crafted.pickle": pickle.dumps(print),  # would need a global: refused before anything runs
         "other.pickle": pickle.dumps({"hello": [1, 2, 3]}),
     }
     for name, data in files.items():
@@ -179,3 +178,25 @@ def test_inspect_refuses_bad_snapshots_cleanly(capsys, snapshot, tmp_path):
         assert err.startswith("memkit inspect: error:") and "Traceback" not in err, name
     code, _, err = _run(capsys, "inspect", str(tmp_path / "missing.pickle"))
     assert code == 2 and "no such file" in err
+
+
+def test_inspect_refuses_a_crafted_snapshot_and_runs_nothing(capsys, tmp_path):
+    import os
+
+    marker = tmp_path / "ran"
+
+    class MakesDir:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+
+    # dicts with the keys of a snapshot: only the refusal of the global rejects them, before anything runs
+    crafted = {
+        "call.pickle": {"segments": [], "device_traces": [[MakesDir()]]},
+        "reference.pickle": {"segments": [], "device_traces": [], "allocator_settings": {"hook": os.mkdir}},
+    }
+    for name, evil in crafted.items():
+        (tmp_path / name).write_bytes(pickle.dumps(evil))
+        code, _, err = _run(capsys, "inspect", str(tmp_path / name))
+        assert code == 2 and "Traceback" not in err, name
+        assert f"refused to load the global {os.mkdir.__module__}.mkdir" in err, name
+    assert not marker.exists()

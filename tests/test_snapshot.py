@@ -17,7 +17,7 @@ from torch.cuda import _memory_viz
 import memkit
 from memkit.memory import CATEGORIES, PHASES, Timeline
 from memkit.memory.cuda import CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
-from memkit.memory.events import ALLOC, COLUMNS, FREE
+from memkit.memory.events import ALLOC, COLUMNS, CUDA_BLOCK, FREE, round_alloc
 from memkit.memory.snapshot import STACK_FRAMES, SnapshotError, load_snapshot, read_snapshot
 from memkit.memory.snapshot_write import write_snapshot
 
@@ -368,6 +368,47 @@ def test_write_refuses_a_timeline_that_frees_more_than_its_baseline():
         write_snapshot({"segments": []})
 
 
+def test_timeline_methods_round_trip_a_tracked_step_through_a_file(tmp_path):
+    tl = tiny_step_timeline(record_stacks=True)
+    path = tmp_path / "step.pickle"
+    data = tl.to_snapshot(path)
+    assert pickle.loads(path.read_bytes()) == data
+    back = Timeline.from_snapshot(path)
+    assert back.peak_bytes == tl.peak_bytes and back.peak_index == tl.peak_index
+    assert back.peak_by_category() == tl.peak_by_category()
+    np.testing.assert_array_equal(back.column("bytes"), tl.column("bytes"))
+    np.testing.assert_array_equal(back.signed_bytes, tl.signed_bytes)
+    assert_same_timeline(tl, back)
+    # keyword arguments reach read_snapshot
+    rounded = Timeline.from_snapshot(path, alloc_granularity=CUDA_BLOCK, device_names=["gpu"])
+    assert rounded.devices == ["gpu"]
+    assert rounded.column("bytes").tolist() == [round_alloc(n, CUDA_BLOCK) for n in tl.column("bytes").tolist()]
+    # without a path nothing is written
+    assert_same_timeline(tl, Timeline.from_snapshot(tl.to_snapshot()))
+    assert [p.name for p in tmp_path.iterdir()] == ["step.pickle"]
+
+
+@given(st.integers(0, 1 << 40), st.integers(1, 4096))
+def test_round_alloc_is_the_smallest_multiple_of_at_least_one_block(nbytes, granularity):
+    r = round_alloc(nbytes, granularity)
+    assert r % granularity == 0 and r >= max(nbytes, granularity) and r - granularity < max(nbytes, 1)
+    assert round_alloc(np.array([nbytes]), granularity).tolist() == [r]
+    assert round_alloc(nbytes, None) == round_alloc(nbytes, 0) == nbytes
+
+
+def test_written_blocks_are_rounded_like_the_reader_and_tracker_round():
+    tl = tiny_step_timeline()
+    data = write_snapshot(tl)
+    for seg in data["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                assert b["size"] == round_alloc(b["requested_size"], CUDA_BLOCK)
+    rounded = tiny_step_timeline(alloc_granularity=CUDA_BLOCK)
+    assert rounded.column("bytes").tolist() == [round_alloc(n, CUDA_BLOCK) for n in tl.column("bytes").tolist()]
+    back = read_snapshot(data, alloc_granularity=CUDA_BLOCK)
+    np.testing.assert_array_equal(back.column("bytes"), rounded.column("bytes"))
+
+
 @st.composite
 def timelines(draw):
     """Random windows: allocations, frees in any order (keys reused after a free), pre-window storages freed."""
@@ -434,6 +475,16 @@ def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path, how):
         with pytest.raises(SnapshotError, match=r"refused to load the global .*(system|eval)"):
             read_snapshot(source)
     assert not marker.exists()
+
+
+def test_a_valid_snapshot_dict_holding_a_global_is_refused():
+    # everything else about it is a snapshot, so only the refusal of the global can reject it
+    evil = pickle.dumps({"segments": [], "device_traces": [], "allocator_settings": {"hook": os.system}})
+    refused = rf"refused to load the global {os.system.__module__}\.system"
+    with pytest.raises(SnapshotError, match=refused):
+        read_snapshot(evil)
+    with pytest.raises(SnapshotError, match=refused):
+        load_snapshot(io.BytesIO(evil))
 
 
 def test_a_persistent_id_is_refused():

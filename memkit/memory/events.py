@@ -8,6 +8,7 @@ costs one ``list.append``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -43,6 +44,26 @@ COLUMNS: tuple[tuple[str, type], ...] = (
     ("frame", np.int32),  # index into EventLog.frames (interned python stack), -1 if not recorded
     ("storage", np.int64),  # storage key pairing an alloc with its free
 )
+
+
+CUDA_BLOCK = 512
+"""The CUDA caching allocator's smallest block, in bytes: every allocation is rounded up to a multiple of it."""
+
+_Bytes = TypeVar("_Bytes", int, np.ndarray)
+
+
+def round_alloc(nbytes: _Bytes, granularity: int | None) -> _Bytes:
+    """``nbytes`` (an int or an int array) rounded up like the caching allocator: to a multiple of
+    ``granularity``, at least one granularity (so 0 bytes take a block). ``None`` or 0: unchanged.
+
+    Example:
+        >>> round_alloc(1000, CUDA_BLOCK), round_alloc(1000, None)
+        (1024, 1000)
+    """
+    if not granularity:
+        return nbytes
+    rounded = -(-nbytes // granularity) * granularity
+    return np.maximum(rounded, granularity) if isinstance(rounded, np.ndarray) else max(rounded, granularity)
 
 
 def check_category(category: str) -> int:

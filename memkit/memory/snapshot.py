@@ -30,32 +30,37 @@ before it can run anything.
 
 from __future__ import annotations
 
-import gc
 import io
 import os
 import pickle
-import re
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from itertools import repeat
 from operator import itemgetter
 from typing import IO, Any
 
 import numpy as np
 
-from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, FREE, PHASE_CODE, PHASES, check_category
+from ._snapshot_schema import (
+    ALLOC_ACTION,
+    FREE_ACTIONS,
+    HEADER_KEY,
+    HEADER_VERSION,
+    frame_line,
+    gc_paused,
+    is_marker,
+    parse_marker,
+)
+from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, FREE, PHASE_CODE, check_category, round_alloc
 from .timeline import Timeline
 
 __all__ = ["SnapshotError", "load_snapshot", "read_snapshot"]
 
-MARKER_FILENAME = "memkit"
 STACK_FRAMES = 8  # innermost frames kept as a Timeline frame text, as the tracker keeps
-_ACTIONS = {"alloc": 0, "free_requested": 1, "free_completed": 2}
+_ACTIONS = {ALLOC_ACTION: 0, FREE_ACTIONS[0]: 1, FREE_ACTIONS[1]: 2}
 _LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awaiting_free"))
 # torch.profiler's memory categories (``_profile_to_snapshot`` writes them) -> memkit's
 _FOREIGN_CATEGORY = {**{c: CATEGORY_CODE[c] for c in CATEGORIES}, "autograd_detail": CATEGORY_CODE["temporary"]}
 _CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh")
-_FRAME_LINE = re.compile(r"^(.*):(\d+) (.*)$")
 _MIX = np.random.default_rng(0x6D656D6B6974).integers(1, 2**63, size=16, dtype=np.uint64) | np.uint64(1)
 
 
@@ -82,21 +87,9 @@ class _NoGlobals(pickle.Unpickler):
         raise SnapshotError("refused a persistent id: a memory snapshot has none, so this pickle is not one")
 
 
-@contextmanager
-def _gc_paused():
-    # Building 10^6 dicts triggers full collections that walk every object already built: 3x slower.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _unpickle(f: IO[bytes], what: str) -> Any:
     try:
-        with _gc_paused():
+        with gc_paused():
             return _NoGlobals(f).load()
     except SnapshotError:
         raise
@@ -149,19 +142,9 @@ def load_snapshot(source: str | os.PathLike | bytes | IO[bytes] | Mapping | list
 
 
 # ---- frames ---------------------------------------------------------------------------------------------------
-def _marker(category: int, phase: int, op: str | None) -> dict:
-    name = f"category={CATEGORIES[category]} phase={PHASES[phase]}"
-    return {"filename": MARKER_FILENAME, "line": 0, "name": name if op is None else f"{name} op={op}"}
-
-
 def _is_cpp(frame: Mapping) -> bool:
     filename = str(frame.get("filename", ""))
     return filename in ("", "??") or filename.endswith(_CPP_SUFFIXES)
-
-
-def _frame_line(frame: Mapping) -> str:
-    filename, name = frame.get("filename", ""), frame.get("name", "")
-    return str(name) if filename in ("", "none") else f"{filename}:{frame.get('line', 0)} {name}"
 
 
 class _Frames:
@@ -212,16 +195,14 @@ class _Frames:
         for f in stack or ():
             if not isinstance(f, Mapping):
                 continue
-            if f.get("filename") == MARKER_FILENAME:
-                fields = dict(p.split("=", 1) for p in str(f.get("name", "")).split() if "=" in p)
-                category = CATEGORY_CODE.get(fields.get("category", ""), -1)
-                phase = PHASE_CODE.get(fields.get("phase", ""), -1)
-                if "op" in fields:
-                    op = self._intern(fields["op"], self.ops, self._op_index)
+            if is_marker(f):
+                category, phase, op_name = parse_marker(f)
+                if op_name is not None:
+                    op = self._intern(op_name, self.ops, self._op_index)
             elif with_text:
                 real.append(f)
         top = ([f for f in real if not _is_cpp(f)] or real)[:STACK_FRAMES]
-        text = "\n".join(_frame_line(f) for f in reversed(top))  # outermost first, like the tracker
+        text = "\n".join(frame_line(f) for f in reversed(top))  # outermost first, like the tracker
         return category, phase, op, self._intern(text, self.texts, self._text_index) if text else -1
 
     @staticmethod
@@ -233,23 +214,12 @@ class _Frames:
         return code
 
 
-def _stack_of(text: str | None) -> list[dict]:
-    """Frame text written by the tracker (outermost first, ``file:line name``) as torch frames (innermost first)."""
-    frames = []
-    for line in reversed(text.split("\n") if text else []):
-        m = _FRAME_LINE.match(line)
-        frames.append(
-            {"filename": m[1], "line": int(m[2]), "name": m[3]} if m else {"filename": "none", "line": 0, "name": line}
-        )
-    return frames
-
-
 # ---- reading --------------------------------------------------------------------------------------------------
 def _bad_entry(trace: list, device: int) -> str:
     for i, e in enumerate(trace):
         if not isinstance(e, Mapping) or "action" not in e:
             return f"device_traces[{device}][{i}] is not a trace entry (a dict with 'action'): {str(e)[:120]}"
-        if e["action"] in ("alloc", "free_requested", "free_completed") and not all(k in e for k in ("addr", "size")):
+        if e["action"] in (ALLOC_ACTION, *FREE_ACTIONS) and not all(k in e for k in ("addr", "size")):
             return f"device_traces[{device}][{i}] ({e['action']}) lacks 'addr' or 'size': {str(e)[:120]}"
     return f"device_traces[{device}] holds a malformed entry"
 
@@ -295,7 +265,7 @@ def _device_events(trace: list, device: int, frames: _Frames, free_text: bool) -
         "frame": codes[:, 3],
         "storage": addr,
     }
-    return cols, ("free_requested", "free_completed")[free_code - 1]
+    return cols, FREE_ACTIONS[free_code - 1]
 
 
 def _pair(cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, set[tuple[int, int]]]:
@@ -347,14 +317,14 @@ def read_snapshot(
     default = check_category(default_category)
     if alloc_granularity is not None and (not isinstance(alloc_granularity, int) or alloc_granularity < 1):
         raise ValueError(f"alloc_granularity must be a positive int or None, got {alloc_granularity!r}")
-    with _gc_paused():
+    with gc_paused():
         data = load_snapshot(source)
         return _to_timeline(data, default, alloc_granularity, device_names)
 
 
 def _header(data: Mapping) -> dict:
-    header = data.get("memkit")
-    return header if isinstance(header, dict) and header.get("version") == 1 else {}
+    header = data.get(HEADER_KEY)
+    return header if isinstance(header, dict) and header.get("version") == HEADER_VERSION else {}
 
 
 def _events(traces: list, frames: _Frames, header: dict) -> tuple[dict[str, np.ndarray], dict[int, str], str]:
@@ -401,8 +371,7 @@ def _segments_state(data, live_from_trace, frames, default, granularity) -> tupl
                 if b["state"] == "active_allocated":
                     add("allocated", d, int(b["size"]))
                 nbytes = int(b.get("requested_size", b["size"]))
-                if granularity:
-                    nbytes = max(granularity, -(-nbytes // granularity) * granularity)
+                nbytes = round_alloc(nbytes, granularity)
                 add("live", d, nbytes)
                 if (d, block_addr) not in live_from_trace:
                     code = frames.decode(b.get("frames"), with_text=False)[0]
@@ -417,8 +386,7 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     header = _header(data)
     frames = _Frames([], [])
     cols, free_actions, time_unit = _events(data["device_traces"], frames, header)
-    if granularity:
-        cols["bytes"] = np.maximum(granularity, -(-cols["bytes"] // granularity) * granularity)
+    cols["bytes"] = round_alloc(cols["bytes"], granularity)
 
     # a free belongs to the category of its alloc; what stays unknown gets the default
     alloc_of, is_free, live_from_trace = _pair(cols)

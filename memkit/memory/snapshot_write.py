@@ -1,7 +1,7 @@
 """Writing a :class:`Timeline` as a CUDA memory snapshot in torch's schema (pickle protocol 4), which torch's
 ``torch.cuda._memory_viz`` tools and pytorch.org/memory_viz open. memkit's category, phase and op ride along
-as a marker frame (see ``snapshot.py``, which reads them back); addresses are synthesised, 512-byte aligned
-and reused only after a free, inside one 2 MiB-aligned segment per device.
+as a marker frame (``_snapshot_schema.py``; ``snapshot.py`` reads them back); addresses are synthesised,
+512-byte aligned and reused only after a free, inside one 2 MiB-aligned segment per device.
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ import re
 import time
 from typing import Any
 
-from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, PHASE_CODE
-from .snapshot import _gc_paused, _marker, _stack_of
+from ._snapshot_schema import ALLOC_ACTION, FREE_ACTIONS, HEADER_KEY, HEADER_VERSION, gc_paused, marker_frame, stack_of
+from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, CUDA_BLOCK, PHASE_CODE, round_alloc
 from .timeline import Timeline
 
 __all__ = ["write_snapshot"]
 
 _ADDRESS_BASE = 0x7F0000000000
 _SEGMENT_ALIGN = 2 << 20  # large segments are multiples of 2 MiB
-_BLOCK_ALIGN = 512  # the caching allocator's smallest block
 
 
 def _plain(value: Any) -> bool:
@@ -43,10 +42,6 @@ class _Addresses:
 
     def free(self, addr: int, rounded: int) -> None:
         self._free.setdefault(rounded, []).append(addr)
-
-
-def _rounded(n: int) -> int:
-    return max(_BLOCK_ALIGN, -(-n // _BLOCK_ALIGN) * _BLOCK_ALIGN)
 
 
 def _entry(action: str, addr: int, size: int, time_us: int, frames: list, **extra: Any) -> dict:
@@ -75,7 +70,7 @@ def write_snapshot(timeline: Timeline, path: str | os.PathLike | None = None) ->
     """
     if not isinstance(timeline, Timeline):
         raise TypeError(f"timeline must be a memkit Timeline, got {type(timeline).__name__}")
-    with _gc_paused():
+    with gc_paused():
         data = _snapshot_of(timeline)
         if path is not None:
             tmp = f"{os.fspath(path)}.tmp"
@@ -99,7 +94,7 @@ def _snapshot_of(timeline: Timeline) -> dict:
         if s is None:
             op_name = timeline.ops[op] if 0 <= op < len(timeline.ops) else None
             text = timeline.frames[frame] if 0 <= frame < len(timeline.frames) else None
-            s = stacks[key] = [_marker(category, phase, op_name), *_stack_of(text)]
+            s = stacks[key] = [marker_frame(category, phase, op_name), *stack_of(text)]
         return s
 
     # storages freed in the window but allocated before it: they are part of the baseline
@@ -142,12 +137,12 @@ def _snapshot_of(timeline: Timeline) -> dict:
                 del open_[key]
             addr = _add_block(blocks[d], spaces[d], nbytes, s)
             open_[key] = (d, addr)
-            traces[d].append(_entry("alloc", addr, nbytes, time_us, s, category=CATEGORIES[c["category"][i]]))
+            traces[d].append(_entry(ALLOC_ACTION, addr, nbytes, time_us, s, category=CATEGORIES[c["category"][i]]))
             continue
         d, addr = open_.pop(key) if i not in before_addr else (d, before_addr[i])
         block = blocks[d].pop(addr)
         spaces[d].free(addr, block["size"])
-        traces[d] += [_entry(a, addr, nbytes, time_us, s) for a in ("free_requested", "free_completed")]
+        traces[d] += [_entry(a, addr, nbytes, time_us, s) for a in FREE_ACTIONS]
     end_us = zero_us + round((c["time"][-1] if c["time"] else 0.0) * 1e6)
     for trace in traces:
         if trace:  # the viz colours by category and crashes unless "unknown" is one (a typo in MemoryViz.js)
@@ -157,8 +152,8 @@ def _snapshot_of(timeline: Timeline) -> dict:
         "device_traces": traces,
         "allocator_settings": {},
         "external_annotations": [],
-        "memkit": {
-            "version": 1,
+        HEADER_KEY: {
+            "version": HEADER_VERSION,
             "devices": {indices[name]: name for name in names},
             "time_zero_us": zero_us,
             "meta": {k: v for k, v in timeline.meta.items() if isinstance(k, str) and _plain(v)},
@@ -175,7 +170,7 @@ def _device_indices(names: list[str]) -> dict[str, int]:
 
 
 def _add_block(blocks: dict[int, dict], space: _Addresses, nbytes: int, frames: list) -> int:
-    rounded = _rounded(nbytes)
+    rounded = round_alloc(nbytes, CUDA_BLOCK)
     addr = space.alloc(rounded)
     blocks[addr] = _block(addr, rounded, nbytes, frames)
     return addr

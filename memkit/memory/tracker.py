@@ -177,8 +177,9 @@ class Tracker:
         )
 
     def _round(self, n: int) -> int:
-        g = self.alloc_granularity
-        return n if not g else max(g, -(-n // g) * g)
+        from .events import round_alloc  # TODO: move to the module's events import once tracker.py is quiet
+
+        return round_alloc(n, self.alloc_granularity)
 
     def _device_code(self, device: torch.device | None) -> int:
         code = self._devices.get(device)
