@@ -3,6 +3,13 @@
 Load a transformer, track a real step's memory exactly, estimate full-size steps on fake tensors, and
 compare optimizations side by side (peak by category, time, output and gradient differences).
 
+The house: measure (``memory/``: tracker, Timeline, snapshots) → optimize (``optimizations/``: one file each,
+and the registry) → run (``step.py``: the one step; ``comparison.py``, ``estimation.py``) → show (``plots.py``,
+``cli/``). Models and their inputs come from ``presets.py`` and ``models.py``.
+
+Names are imported on first use, so ``import memkit.plots`` or ``memkit.Timeline`` does not load torch and
+diffusers.
+
 Example:
     >>> import memkit
     >>> model = memkit.load_model("flux")             # tiny, random weights
@@ -12,32 +19,84 @@ Example:
     >>> tl.peak_by_category()
 """
 
-from . import memory, plots
-from .checkpointing import Checkpointing
-from .compare import Comparison, VariantResult, compare
-from .handle import Handle, Optimization
-from .memory import CATEGORIES, PHASES, Timeline, track
-from .memory.estimate import estimate
-from .models import PRESETS, SIZES, load_model, make_inputs, train_step
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (relative to memkit)
+_EXPORTS = {
+    "CATEGORIES": ".memory.events",
+    "PHASES": ".memory.events",
+    "Timeline": ".memory.timeline",
+    "track": ".memory.tracker",
+    "PRESETS": ".presets",
+    "SIZES": ".presets",
+    "load_model": ".models",
+    "make_inputs": ".models",
+    "Step": ".step",
+    "train_step": ".step",
+    "Handle": ".handle",
+    "Optimization": ".handle",
+    "Checkpointing": ".optimizations",
+    "compare": ".comparison",
+    "Comparison": ".comparison",
+    "Variant": ".comparison",
+    "VariantResult": ".comparison",
+    "estimate": ".estimation",
+}
+_SUBMODULES = ("memory", "optimizations", "plots")
 
 __all__ = [
     "CATEGORIES",
-    "PHASES",
-    "PRESETS",
-    "SIZES",
     "Checkpointing",
     "Comparison",
     "Handle",
     "Optimization",
+    "PHASES",
+    "PRESETS",
+    "SIZES",
+    "Step",
     "Timeline",
+    "Variant",
     "VariantResult",
     "compare",
-    "memory",
-    "plots",
     "estimate",
     "load_model",
     "make_inputs",
+    "memory",
+    "optimizations",
+    "plots",
     "track",
     "train_step",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from . import memory, optimizations, plots
+    from .comparison import Comparison, Variant, VariantResult, compare
+    from .estimation import estimate
+    from .handle import Handle, Optimization
+    from .memory.events import CATEGORIES, PHASES
+    from .memory.timeline import Timeline
+    from .memory.tracker import track
+    from .models import load_model, make_inputs
+    from .optimizations import Checkpointing
+    from .presets import PRESETS, SIZES
+    from .step import Step, train_step
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'memkit' has no attribute {name!r}")
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,8 +1,8 @@
-"""Diffusion transformers with random weights at three sizes, their inputs, and one training step.
+"""Load a model: a preset built with random weights at a size, or real weights from a local folder or the hub;
+and make the inputs of its forward.
 
-Every measurement in memkit needs a model and inputs of the right shapes. The presets build the diffusers
-classes behind Flux, SD3, LTX-Video, Wan, the SD1.5 UNet, PixArt-Sigma and DiT from configs, never from the
-hub:
+Every measurement in memkit needs a model and inputs of the right shapes. The presets (`memkit.presets`) build
+the diffusers classes behind Flux, SD3, LTX-Video, Wan, the SD1.5 UNet, PixArt-Sigma and DiT from configs:
 
 - ``tiny``: two blocks and a few hundred thousand parameters, so tests run a full step in milliseconds;
 - ``small``: 30-100M parameters, enough for timings and memory curves that mean something on a laptop;
@@ -18,14 +18,11 @@ DiT; 480x704 px x 41 frames for LTX-Video; 480x832 px x 17 frames for Wan).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import diffusers
@@ -34,221 +31,13 @@ import safetensors.torch
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = [
-    "PRESETS",
-    "SIZES",
-    "Preset",
-    "check_inputs",
-    "load_model",
-    "make_inputs",
-    "model_output",
-    "preset_of",
-    "train_step",
-]
+from .presets import PRESETS, SIZES, Preset, _Maker
 
-SIZES = ("tiny", "small", "full")
+__all__ = ["load_model", "make_inputs", "preset_of"]
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
-
-@dataclass(frozen=True)
-class Preset:
-    """A diffusers model class, its config at each size, and the default sizes of its inputs.
-
-    Example:
-        >>> p = memkit.PRESETS["flux"]
-        >>> p.model_class, p.description, p.input_sizes["full"]
-    """
-
-    name: str
-    """Key in `PRESETS`."""
-    model_class: str
-    """Name of the class in `diffusers`, e.g. ``"FluxTransformer2DModel"``."""
-    configs: Mapping[str, Mapping[str, Any]]
-    """Size (one of `SIZES`) -> keyword arguments of the class."""
-    description: str
-    """One line for menus and reports."""
-    input_sizes: Mapping[str, Mapping[str, int]]
-    """Size -> default `make_inputs` sizes: ``height``/``width`` in pixels, ``frames``, ``text_len`` in tokens.
-    Its keys are the only size keywords the preset accepts."""
-
-
-def _frozen(mapping: Mapping) -> Mapping:
-    return MappingProxyType({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in mapping.items()})
-
-
-def _preset(name: str, model_class: str, description: str, configs: dict, input_sizes: dict) -> Preset:
-    return Preset(name, model_class, _frozen(configs), description, _frozen(input_sizes))
-
-
-# fmt: off
-# The configs read as tables; the formatter would put every keyword on its own line.
-_FLUX = _preset(
-    "flux",
-    "FluxTransformer2DModel",
-    "FLUX.1-dev transformer (11.9B at full size)",
-    {
-        "tiny": dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                     joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
-        "small": dict(in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=64, num_attention_heads=8,
-                      joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                      axes_dims_rope=(8, 28, 28)),
-        # black-forest-labs/FLUX.1-dev transformer/config.json
-        "full": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                     num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                     axes_dims_rope=(16, 56, 56)),
-    },
-    {
-        "tiny": dict(height=32, width=32, text_len=8),
-        "small": dict(height=256, width=256, text_len=64),
-        "full": dict(height=1024, width=1024, text_len=512),  # T5 max_sequence_length of FLUX.1-dev
-    },
-)
-
-_SD3 = _preset(
-    "sd3",
-    "SD3Transformer2DModel",
-    "Stable Diffusion 3 Medium MMDiT (2.0B at full size)",
-    {
-        "tiny": dict(sample_size=4, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
-                     num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
-                     pooled_projection_dim=32, pos_embed_max_size=16),
-        "small": dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=4,
-                      attention_head_dim=64, num_attention_heads=8, joint_attention_dim=4096,
-                      caption_projection_dim=512, pooled_projection_dim=2048, pos_embed_max_size=96),
-        # stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json
-        "full": dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
-                     attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
-                     caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192),
-    },
-    {
-        "tiny": dict(height=32, width=32, text_len=8),
-        "small": dict(height=256, width=256, text_len=64),
-        "full": dict(height=1024, width=1024, text_len=333),  # 77 CLIP + 256 T5 tokens
-    },
-)
-
-_LTX = _preset(
-    "ltx-video",
-    "LTXVideoTransformer3DModel",
-    "LTX-Video 0.9 transformer (1.9B at full size)",
-    {
-        "tiny": dict(in_channels=128, out_channels=128, num_attention_heads=2, attention_head_dim=16,
-                     cross_attention_dim=32, num_layers=2, caption_channels=32),
-        "small": dict(in_channels=128, out_channels=128, num_attention_heads=8, attention_head_dim=64,
-                      cross_attention_dim=512, num_layers=8, caption_channels=4096),
-        # Lightricks/LTX-Video transformer/config.json
-        "full": dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
-                     attention_head_dim=64, cross_attention_dim=2048, num_layers=28, activation_fn="gelu-approximate",
-                     qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
-                     caption_channels=4096, attention_bias=True, attention_out_bias=True),
-    },
-    {
-        "tiny": dict(height=64, width=64, frames=9, text_len=8),
-        "small": dict(height=256, width=256, frames=17, text_len=64),
-        "full": dict(height=480, width=704, frames=41, text_len=128),
-    },
-)
-
-_WAN = _preset(
-    "wan",
-    "WanTransformer3DModel",
-    "Wan2.1 T2V 14B transformer (14.3B at full size)",
-    {
-        "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-                     out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=1024),
-        "small": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16,
-                      out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=2048, num_layers=8,
-                      rope_max_seq_len=1024),
-        # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (the 1.3B model: 12 heads, ffn 8960, 30 layers)
-        "full": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-    },
-    {
-        "tiny": dict(height=32, width=32, frames=5, text_len=8),
-        "small": dict(height=128, width=128, frames=9, text_len=64),
-        "full": dict(height=480, width=832, frames=17, text_len=512),
-    },
-)
-
-_SD_DOWN = ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D")
-_SD_UP = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D")
-_UNET = _preset(
-    "unet",
-    "UNet2DConditionModel",
-    "Stable Diffusion 1.5 UNet (860M at full size)",
-    {
-        "tiny": dict(sample_size=4, in_channels=4, out_channels=4, block_out_channels=(16, 32),
-                     down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1, norm_num_groups=8,
-                     cross_attention_dim=16, attention_head_dim=2),
-        "small": dict(sample_size=32, in_channels=4, out_channels=4, down_block_types=_SD_DOWN, up_block_types=_SD_UP,
-                      block_out_channels=(64, 128, 256, 256), layers_per_block=2, cross_attention_dim=768,
-                      attention_head_dim=8),
-        # stable-diffusion-v1-5/stable-diffusion-v1-5 unet/config.json
-        "full": dict(sample_size=64, in_channels=4, out_channels=4, down_block_types=_SD_DOWN, up_block_types=_SD_UP,
-                     block_out_channels=(320, 640, 1280, 1280), layers_per_block=2, norm_num_groups=32,
-                     cross_attention_dim=768, attention_head_dim=8),
-    },
-    {
-        "tiny": dict(height=32, width=32, text_len=8),
-        "small": dict(height=256, width=256, text_len=77),
-        "full": dict(height=512, width=512, text_len=77),
-    },
-)
-
-_PIXART = _preset(
-    "pixart",
-    "PixArtTransformer2DModel",
-    "PixArt-Sigma XL-2 1024 transformer (0.6B at full size)",
-    {
-        "tiny": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
-                     cross_attention_dim=32, sample_size=4, patch_size=2, caption_channels=32,
-                     use_additional_conditions=False),
-        "small": dict(num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=8, num_layers=8,
-                      cross_attention_dim=512, sample_size=32, patch_size=2, caption_channels=4096,
-                      use_additional_conditions=False),
-        # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer/config.json (no micro-conditions)
-        "full": dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
-                     cross_attention_dim=1152, attention_bias=True, sample_size=128, patch_size=2,
-                     activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
-                     norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=4096, interpolation_scale=2,
-                     use_additional_conditions=False),
-    },
-    {
-        "tiny": dict(height=32, width=32, text_len=8),
-        "small": dict(height=256, width=256, text_len=64),
-        "full": dict(height=1024, width=1024, text_len=300),  # T5 max_sequence_length of PixArt-Sigma
-    },
-)
-
-_DIT = _preset(
-    "dit",
-    "DiTTransformer2DModel",
-    "DiT-XL/2 256 class-conditional transformer (750M at full size in diffusers, 675M in the paper)",
-    {
-        "tiny": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
-                     sample_size=4, patch_size=2),
-        # DiT-S/2 of the DiT paper (33M)
-        "small": dict(num_attention_heads=6, attention_head_dim=64, in_channels=4, out_channels=8, num_layers=12,
-                      sample_size=32, patch_size=2),
-        # facebook/DiT-XL-2-256 transformer/config.json. diffusers gives each of the 28 blocks its own copy of the
-        # timestep and class embedder (2.77M parameters each), hence 750M where the paper counts 675M.
-        "full": dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
-                     sample_size=32, patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
-                     norm_type="ada_norm_zero", norm_elementwise_affine=False),
-    },
-    {
-        "tiny": dict(height=32, width=32),
-        "small": dict(height=256, width=256),
-        "full": dict(height=256, width=256),
-    },
-)
-
-# fmt: on
-
-PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in (_FLUX, _SD3, _LTX, _WAN, _UNET, _PIXART, _DIT)})
 _PRESET_BY_CLASS = {p.model_class: p.name for p in PRESETS.values()}
 
 
@@ -257,8 +46,8 @@ _PRESET_BY_CLASS = {p.model_class: p.name for p in PRESETS.values()}
 
 def load_model(
     name_or_path: str | os.PathLike,
-    size: str = "tiny",
     *,
+    size: str = "tiny",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     device: str | torch.device = "cpu",
@@ -281,9 +70,9 @@ def load_model(
     wins over a folder of the same name.
 
     Example:
-        >>> model = load_model("flux", "tiny", dtype=torch.bfloat16)
+        >>> model = load_model("flux", size="tiny", dtype=torch.bfloat16)
         >>> loss = train_step(model, make_inputs(model))
-        >>> with FakeTensorMode(): big = load_model("flux", "full")  # 11.9B parameters, no memory
+        >>> with FakeTensorMode(): big = load_model("flux", size="full")  # 11.9B parameters, no memory
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, one of {_DTYPES}, got {dtype!r}")
@@ -421,7 +210,7 @@ def preset_of(model: torch.nn.Module) -> str:
 # ------------------------------------------------------------------------------------------------------ inputs
 
 
-def make_inputs(model: torch.nn.Module, batch_size: int = 1, seed: int = 0, **sizes: int) -> dict[str, Any]:
+def make_inputs(model: torch.nn.Module, *, batch_size: int = 1, seed: int = 0, **sizes: int) -> dict[str, Any]:
     """The keyword arguments of ``model(**inputs)``, random but deterministic for ``seed``, with realistic shapes.
 
     Sizes are in pixels and tokens, as a user thinks of them: ``height``, ``width`` (pixels; the latent is
@@ -447,241 +236,10 @@ def make_inputs(model: torch.nn.Module, batch_size: int = 1, seed: int = 0, **si
             raise ValueError(f"{key} must be a positive int, got {value!r}")
     param = next(p for p in model.parameters() if p.is_floating_point())
     make = _Maker(param.dtype, param.device, seed)
-    inputs = _INPUTS[name](model.config, batch_size, {**defaults, **sizes}, make)
+    inputs = PRESETS[name].inputs(model.config, batch_size, {**defaults, **sizes}, make)
     return inputs | {"return_dict": False}
 
 
 def _size_of(model: torch.nn.Module) -> str:
     model = getattr(model, "_orig_mod", model)
     return getattr(model, "_memkit_size", None) or _matching_size(model, PRESETS[preset_of(model)])
-
-
-class _Maker:
-    """Tensor factories bound to a dtype, a device and a private generator."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, seed: int) -> None:
-        self.dtype, self.device = dtype, device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=self.generator, dtype=self.dtype, device=self.device)
-
-    def timestep(self, batch_size: int, scale: float = 1000.0) -> torch.Tensor:
-        return torch.rand(batch_size, generator=self.generator, device=self.device).mul(scale).to(self.dtype)
-
-    def randint(self, high: int, *shape: int) -> torch.Tensor:
-        return torch.randint(high, shape, generator=self.generator, device=self.device)
-
-    def full(self, shape: tuple[int, ...], value: float) -> torch.Tensor:
-        return torch.full(shape, value, dtype=self.dtype, device=self.device)
-
-
-def _latent(sizes: Mapping[str, int], key: str, vae: int, patch: int) -> int:
-    """Latent extent of a pixel size, checked to split into whole patches."""
-    value = sizes[key]
-    if value % (vae * patch):
-        raise ValueError(f"{key}={value} must be a multiple of {vae * patch} ({vae}x VAE, patch {patch})")
-    return value // vae
-
-
-def _latent_frames(sizes: Mapping[str, int], vae_t: int) -> int:
-    frames = sizes["frames"]
-    if (frames - 1) % vae_t:
-        raise ValueError(f"frames={frames} must be {vae_t}*k+1: the video VAE keeps the first frame apart")
-    return (frames - 1) // vae_t + 1
-
-
-def _flux_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
-    # The pipeline packs 2x2 latent pixels of 16 channels into one 64-channel token.
-    h, w = _latent(s, "height", 8, 2) // 2, _latent(s, "width", 8, 2) // 2
-    rows, cols = torch.meshgrid(torch.arange(h, device=make.device), torch.arange(w, device=make.device), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(h * w, 3)  # (0, row, col) per token
-    inputs = {
-        "hidden_states": make.randn(b, h * w, cfg["in_channels"]),
-        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
-        "pooled_projections": make.randn(b, cfg["pooled_projection_dim"]),
-        "timestep": make.timestep(b, scale=1.0),
-        "img_ids": img_ids.to(make.dtype),
-        "txt_ids": make.full((s["text_len"], 3), 0.0),
-    }
-    if cfg["guidance_embeds"]:
-        inputs["guidance"] = make.full((b,), 3.5)
-    return inputs
-
-
-def _sd3_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
-    p, limit = cfg["patch_size"], cfg["pos_embed_max_size"]
-    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
-    for key, extent in (("height", h), ("width", w)):
-        if limit and extent // p > limit:
-            raise ValueError(f"{key}={s[key]} exceeds the {limit * p * 8} px the position embedding covers")
-    return {
-        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
-        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
-        "pooled_projections": make.randn(b, cfg["pooled_projection_dim"]),
-        "timestep": make.timestep(b),
-    }
-
-
-def _ltx_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
-    p, pt = cfg["patch_size"], cfg["patch_size_t"]
-    h, w = _latent(s, "height", 32, p) // p, _latent(s, "width", 32, p) // p
-    f = _latent_frames(s, 8)
-    if f % pt:
-        raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch_size_t={pt}")
-    f //= pt
-    return {
-        "hidden_states": make.randn(b, f * h * w, cfg["in_channels"]),
-        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
-        "timestep": make.timestep(b),
-        "encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
-        "num_frames": f,
-        "height": h,
-        "width": w,
-        # What LTXPipeline passes at its default 25 fps: (temporal VAE ratio / fps, spatial, spatial).
-        "rope_interpolation_scale": (8 / 25, 32, 32),
-    }
-
-
-def _wan_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
-    pt, ph, pw = cfg["patch_size"]
-    h, w, f = _latent(s, "height", 8, ph), _latent(s, "width", 8, pw), _latent_frames(s, 4)
-    if f % pt:
-        raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch {pt}")
-    limit = cfg["rope_max_seq_len"]
-    for key, extent in (("frames", f // pt), ("height", h // ph), ("width", w // pw)):
-        if extent > limit:
-            raise ValueError(f"{key}={s[key]} gives {extent} positions, over rope_max_seq_len={limit}")
-    inputs = {
-        "hidden_states": make.randn(b, cfg["in_channels"], f, h, w),
-        "timestep": make.timestep(b),
-        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_dim"]),
-    }
-    if cfg.get("image_dim"):  # image-to-video checkpoints: 257 CLIP image tokens
-        inputs["encoder_hidden_states_image"] = make.randn(b, 257, cfg["image_dim"])
-    return inputs
-
-
-def _unet_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
-    h, w = _latent(s, "height", 8, 1), _latent(s, "width", 8, 1)
-    return {
-        "sample": make.randn(b, cfg["in_channels"], h, w),
-        "timestep": make.timestep(b),
-        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["cross_attention_dim"]),
-    }
-
-
-def _pixart_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
-    p = cfg["patch_size"]
-    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
-    micro = cfg["use_additional_conditions"]
-    if micro is None:  # PixArtTransformer2DModel's own rule
-        micro = cfg["sample_size"] == 128
-    added = {"resolution": None, "aspect_ratio": None}
-    if micro:
-        resolution = torch.cat([make.full((b, 1), s["height"]), make.full((b, 1), s["width"])], dim=1)
-        added = {"resolution": resolution, "aspect_ratio": make.full((b, 1), s["height"] / s["width"])}
-    return {
-        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
-        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
-        "encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
-        "timestep": make.timestep(b),
-        "added_cond_kwargs": added,
-    }
-
-
-def _dit_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
-    p = cfg["patch_size"]
-    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
-    if h != w:
-        raise ValueError(f"height={s['height']} and width={s['width']} must be equal: DiT unpatchifies squares only")
-    return {
-        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
-        "timestep": make.timestep(b),
-        "class_labels": make.randint(cfg["num_embeds_ada_norm"], b),
-    }
-
-
-_INPUTS: dict[str, Callable[[Mapping, int, Mapping[str, int], _Maker], dict[str, Any]]] = {
-    "flux": _flux_inputs,
-    "sd3": _sd3_inputs,
-    "ltx-video": _ltx_inputs,
-    "wan": _wan_inputs,
-    "unet": _unet_inputs,
-    "pixart": _pixart_inputs,
-    "dit": _dit_inputs,
-}
-
-
-# -------------------------------------------------------------------------------------------------------- step
-
-
-def model_output(out: Any) -> torch.Tensor:
-    """The prediction tensor in whatever a diffusers forward returned: a tensor, ``.sample``, or a tuple.
-
-    Example:
-        >>> out = model(**make_inputs(model))
-        >>> model_output(out).shape
-    """
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, Mapping) and "sample" in out:
-        return out["sample"]
-    if isinstance(getattr(out, "sample", None), torch.Tensor):
-        return out.sample
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError(f"cannot find the output tensor in a {type(out).__name__}")
-
-
-def check_inputs(model: torch.nn.Module, inputs: Any) -> None:
-    """Raise a ValueError naming ``inputs`` when its keys don't fit ``model.forward`` (unknown or missing).
-
-    Shapes are checked by the model itself; build inputs with :func:`make_inputs` to get them right.
-
-    Example:
-        >>> check_inputs(model, {"hidden_states": x})   # ValueError: inputs is missing 'timestep', ...
-    """
-    if not isinstance(inputs, Mapping):
-        raise TypeError(f"inputs must be a mapping of forward keyword arguments, got {type(inputs).__name__}")
-    params = inspect.signature(model.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    unknown = sorted(set(inputs) - set(params))
-    if unknown:
-        raise ValueError(
-            f"inputs has keys that {type(model).__name__}.forward does not take: {unknown}; it takes {sorted(params)}"
-        )
-    missing = sorted(
-        n
-        for n, p in params.items()
-        if p.default is inspect.Parameter.empty
-        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        and n not in inputs
-    )
-    if missing:
-        raise ValueError(f"inputs is missing {missing} for {type(model).__name__}.forward; see memkit.make_inputs")
-
-
-def train_step(
-    model: torch.nn.Module, inputs: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None
-) -> torch.Tensor:
-    """One forward, backward and (optionally) optimizer step; returns the loss, detached.
-
-    The loss is ``mean(output ** 2)`` in float32: a stand-in for the diffusion loss with the same memory shape
-    (activations kept for backward, one gradient per parameter) without needing targets. Without an
-    optimizer, gradients accumulate across calls as in a plain loop; with one, it steps and frees them
-    (``zero_grad(set_to_none=True)``), so they do not count towards the next step's peak.
-
-    Example:
-        >>> model = load_model("sd3")
-        >>> optimizer = torch.optim.AdamW(model.parameters())
-        >>> loss = train_step(model, make_inputs(model), optimizer)
-    """
-    check_inputs(model, inputs)
-    loss = model_output(model(**inputs)).float().pow(2).mean()
-    loss.backward()
-    if optimizer is not None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss.detach()

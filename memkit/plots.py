@@ -215,7 +215,7 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
     Left: one stacked bar per variant of its peak by category, its total on top and the change vs the baseline
     in %. Right: each variant's ``live_bytes`` total over time scaled to 0..1 so step shapes line up whatever
     their speed (each decimated with ``max_points``, so absolute time is lost; see :func:`timeline_figure`).
-    ``comparison`` is a :class:`memkit.compare.Comparison` or anything with ``results`` (name -> result with a
+    ``comparison`` is a :class:`memkit.Comparison` or anything with ``results`` (name -> result with a
     ``timeline``, baseline first) and ``baseline`` (a name).
 
     Example:

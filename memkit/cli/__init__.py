@@ -22,13 +22,18 @@ import memkit
 
 from ..units import UNITS
 from . import estimate, inspect, report
-from ._common import DTYPES, OPTIMIZATION_FLAGS, REPORT_VARIANTS, SIZE_FLAGS, CLIError, OptimizationFlag, machine_info
+from ._common import (
+    DTYPES,
+    SIZE_FLAGS,
+    CLIError,
+    add_optimization_flags,
+    machine_info,
+    optimization_specs,
+    report_variants,
+)
 
 __all__ = [
-    "OPTIMIZATION_FLAGS",
-    "REPORT_VARIANTS",
     "CLIError",
-    "OptimizationFlag",
     "build_parser",
     "machine_info",
     "main",
@@ -123,13 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device to plan for")
     group = p.add_argument_group("optimizations (several compose, applied in this order)")
-    for spec in OPTIMIZATION_FLAGS:
-        group.add_argument(spec.flag, dest=spec.dest, help=spec.help, default=None, **spec.argument)
+    specs = optimization_specs()
+    add_optimization_flags(group, specs)
     p.add_argument("--unit", choices=tuple(UNITS), default="GiB", help="unit of the printed table")
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")
     p.add_argument("--png", metavar="FILE", help="write the memory timeline as a PNG (needs kaleido and Chromium)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (bytes, seconds) instead")
-    p.set_defaults(run=estimate.run, optimization_flags=OPTIMIZATION_FLAGS)
+    p.set_defaults(run=estimate.run, optimization_specs=specs)
 
     p = sub.add_parser(
         "inspect",
@@ -154,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare the optimizations on a real small model and write one self-contained HTML report",
         description=_wrap(
             "Build a preset at a tiny or small size with random weights, run the baseline and each optimization "
-            f"({', '.join(REPORT_VARIANTS)}) on the same weights and inputs, tracked exactly, and write one HTML file "
+            f"({', '.join(report_variants())}) on the same weights and inputs, tracked exactly, and write one HTML "
+            "file "
             "(plotly.js inlined, works offline): the comparison table (peak by category in MiB or GiB, step "
             "seconds, output and gradient differences, pass/fail), the comparison figure and the baseline's "
             "memory timeline. tiny takes seconds; small takes minutes on a laptop CPU."

@@ -1,12 +1,12 @@
-"""What the subcommands share: errors, the optimization-flag registry, formatting, figure output."""
+"""What the subcommands share: errors, optimization flags (from the library's registry), formatting, figure output."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 import memkit
 
 from ..handle import Optimization
+from ..optimizations import REGISTRY, Spec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SIZE_FLAGS = {"height": "pixels", "width": "pixels", "frames": "video frames", "text_len": "text tokens"}
@@ -30,61 +31,57 @@ class CLIError(Exception):
 
 
 # ---- optimizations ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OptimizationFlag:
-    """A command-line switch that adds one optimization to ``memkit estimate``.
-
-    ``build`` receives the parsed value (never ``None`` or ``False``, which mean "off") and returns the
-    optimization object; a ``ValueError`` it raises is shown as a clean error naming the flag. A new
-    optimization plugs in with one entry in :data:`OPTIMIZATION_FLAGS`, e.g. a switch
-    ``OptimizationFlag("--ema", "...", lambda on: memkit.EMA(), {"action": "store_true"})`` or a number
-    ``OptimizationFlag("--ff-split", "...", lambda n: memkit.SplitFeedForward(chunks=n), {"type": int})``.
-    """
-
-    flag: str
-    """The option string, e.g. ``"--checkpointing"``."""
-    help: str
-    """One line for ``--help``: what it saves and what it costs."""
-    build: Callable[[Any], Optimization]
-    """Parsed value -> optimization object."""
-    argument: Mapping[str, Any] = field(default_factory=dict)
-    """Extra ``argparse.add_argument`` keywords (``metavar``, ``type``, ``action``...)."""
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
+# The flags and the report's variants are built from the library's one registry (memkit.optimizations): a new
+# optimization registered there gets its ``--<name> VALUE`` flag and its report variants with no change here.
 
 
-OPTIMIZATION_FLAGS: tuple[OptimizationFlag, ...] = (
-    OptimizationFlag(
-        "--checkpointing",
-        "recompute transformer blocks' activations in the backward instead of storing them; PATTERN: 'all'. "
-        "Cuts activation memory to about one block's worth for ~20-35%% more step time; nothing in inference",
-        lambda pattern: memkit.Checkpointing(pattern),
-        {"metavar": "PATTERN"},
-    ),
-)
-"""Optimization switches, applied in this order when several are given (they compose)."""
-
-REPORT_VARIANTS: Mapping[str, Callable[[], list[Optimization]]] = {
-    "checkpointing": lambda: [memkit.Checkpointing("all")],
-}
-"""The variants ``memkit report`` compares against the baseline: name -> fresh list of optimizations."""
+def optimization_specs() -> tuple[Spec, ...]:
+    """The registered optimizations, in the order they compose."""
+    return tuple(REGISTRY.values())
 
 
-def optimizations_from(args: Any, flags: Sequence[OptimizationFlag]) -> list[Optimization]:
+def flag_of(spec: Spec) -> str:
+    """The command-line flag of an optimization: ``--<name>``."""
+    return "--" + spec.name
+
+
+def dest_of(spec: Spec) -> str:
+    return "opt_" + spec.name.replace("-", "_")
+
+
+def add_optimization_flags(group: argparse._ArgumentGroup, specs: Sequence[Spec]) -> None:
+    """One ``--<name> [VALUE]`` flag per optimization; the flag alone means its default value."""
+    for spec in specs:
+        group.add_argument(
+            flag_of(spec),
+            dest=dest_of(spec),
+            metavar=spec.metavar,
+            nargs="?",
+            const=spec.choices[0],
+            default=None,
+            help=f"{spec.summary.replace('%', '%%')}. {spec.metavar}: {', '.join(spec.choices)} "
+            f"(alone: {spec.choices[0]})",
+        )
+
+
+def optimizations_from(args: Any, specs: Sequence[Spec]) -> list[Optimization]:
     """The optimization objects the parsed flags ask for, in registry order; a refused value is a CLIError."""
     built = []
-    for spec in flags:
-        value = getattr(args, spec.dest, None)
-        if value is None or value is False:
+    for spec in specs:
+        value = getattr(args, dest_of(spec), None)
+        if value is None:
             continue
         try:
-            built.append(spec.build(value))
+            built.append(spec.parse(value))
         except (ValueError, TypeError) as e:
-            shown = "" if value is True else f" {value}"
-            raise CLIError(f"{spec.flag}{shown}: {e}") from None
+            raise CLIError(f"{flag_of(spec)} {value}: {e}") from None
     return built
+
+
+def report_variants(specs: Sequence[Spec] | None = None) -> dict[str, list[Optimization]]:
+    """The variants ``memkit report`` compares against the baseline: ``"name:value"`` -> fresh optimizations."""
+    specs = optimization_specs() if specs is None else specs
+    return {f"{spec.name}:{value}": [spec.parse(value)] for spec in specs for value in spec.report}
 
 
 # ---- formatting ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from ._common import (
 def run(args: argparse.Namespace) -> int:
     """``memkit estimate``: a full-size step on fake tensors, printed as a table or JSON."""
     check_preset(args.preset)
-    optimizations = optimizations_from(args, args.optimization_flags)
+    optimizations = optimizations_from(args, args.optimization_specs)
     training = args.mode == "training"
     optimizer = args.optimizer
     if not training and optimizer not in (None, "none"):

@@ -11,7 +11,7 @@ import torch
 import memkit
 
 from ..units import best_unit
-from ._common import REPORT_VARIANTS, CLIError, check_preset, check_writable, machine_info
+from ._common import CLIError, check_preset, check_writable, machine_info, report_variants
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1300px; color: #222; }
@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
     preset, size = args.preset, args.size
 
     def model_fn() -> torch.nn.Module:
-        return memkit.load_model(preset, size)
+        return memkit.load_model(preset, size=size)
 
-    variants = {name: make() for name, make in REPORT_VARIANTS.items()}
+    variants = report_variants()
     stages = tqdm(total=3, desc="report", unit="stage", disable=args.quiet)
     stages.set_postfix_str(f"compare {len(variants) + 1} runs")
     comparison = memkit.compare(model_fn, variants, mode=args.mode, repeats=args.repeats, progress=not args.quiet)

@@ -1,16 +1,40 @@
-"""Exact memory timelines: the event schema, the live-storage tracker, fake-tensor estimates and snapshots."""
+"""Measurement only: the event schema, the Timeline, the live-storage tracker, kernel-internal buffers, CUDA
+allocator history, and snapshots read and written safely.
 
-from .cuda import CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
+The Timeline and the schema need only numpy; the tracker, CUDA history and snapshots are imported on first use.
+
+Example:
+    >>> from memkit.memory import track, Timeline
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .events import CATEGORIES, PHASES
-from .snapshot import SnapshotError, load_snapshot, read_snapshot
-from .snapshot_write import write_snapshot
 from .timeline import Timeline
-from .tracker import Tracker, phase, tag, track, tracking
+
+_EXPORTS = {
+    "CudaHistoryError": ".cuda",
+    "cuda_history_available": ".cuda",
+    "cuda_snapshot": ".cuda",
+    "record_cuda_history": ".cuda",
+    "SnapshotError": ".snapshot",
+    "load_snapshot": ".snapshot",
+    "read_snapshot": ".snapshot",
+    "write_snapshot": ".snapshot_write",
+    "Tracker": ".tracker",
+    "phase": ".tracker",
+    "tag": ".tracker",
+    "track": ".tracker",
+    "tracking": ".tracker",
+}
 
 __all__ = [
     "CATEGORIES",
-    "PHASES",
     "CudaHistoryError",
+    "PHASES",
     "SnapshotError",
     "Timeline",
     "Tracker",
@@ -25,3 +49,21 @@ __all__ = [
     "tracking",
     "write_snapshot",
 ]
+
+if TYPE_CHECKING:
+    from .cuda import CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
+    from .snapshot import SnapshotError, load_snapshot, read_snapshot
+    from .snapshot_write import write_snapshot
+    from .tracker import Tracker, phase, tag, track, tracking
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'memkit.memory' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

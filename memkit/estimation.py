@@ -21,25 +21,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm.auto import tqdm
 
-from .timeline import Timeline
-from .tracker import track
+from .handle import Optimization, apply_all
+from .memory.events import CUDA_BLOCK
+from .memory.timeline import Timeline
+from .memory.tracker import track
+from .models import _default_dtype, load_model, make_inputs
+from .presets import PRESETS
+from .step import OPTIMIZERS, Step
 
-_OPTIMIZERS = ("adamw", "adam", "sgd")
-_CUDA_BLOCK = 512
-
-
-def make_optimizer(name: str | None, params, *, foreach: bool | None = None) -> torch.optim.Optimizer | None:
-    """Build an optimizer by name (``"adamw"``, ``"adam"``, ``"sgd"``) or return None for ``None``."""
-    if name is None:
-        return None
-    params = [p for p in params if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4, foreach=foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach)
-    raise ValueError(f"optimizer must be one of {list(_OPTIMIZERS)} or None, got {name!r}")
+__all__ = ["estimate"]
 
 
 def estimate(
@@ -47,7 +37,8 @@ def estimate(
     inputs: Callable[[torch.nn.Module], Mapping[str, Any]] | None = None,
     *,
     mode: str = "training",
-    optimizations: Sequence[Any] = (),
+    step: Step | None = None,
+    optimizations: Sequence[Optimization] = (),
     dtype: torch.dtype = torch.float32,
     size: str = "full",
     optimizer: str | None = None,
@@ -67,7 +58,10 @@ def estimate(
         inputs: a callable ``inputs(model)`` returning the forward kwargs, or None for
             ``memkit.make_inputs(model, batch_size, **sizes)``.
         mode: ``"training"`` (forward, loss, backward, optimizer step if any) or ``"inference"``.
-        optimizations: optimization objects, applied with ``.apply(model)`` as in a real run.
+        step: the :class:`memkit.Step` to run, instead of ``mode``, ``optimizer`` and ``steps`` (give one or
+            the others). Its ``foreach`` defaults to what torch uses on ``device``.
+        optimizations: optimization objects, applied with ``.apply(model)`` as in a real run; the memory
+            their handles own is counted in its category.
         dtype: parameter and input dtype.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or None (training only). With None, gradients accumulate
             across steps as in a loop of ``loss.backward()``.
@@ -85,19 +79,9 @@ def estimate(
         >>> tl = memkit.estimate("flux", dtype=torch.bfloat16, optimizations=[memkit.Checkpointing()])
         >>> tl.peak_bytes / 2**30   # GiB
     """
-    from ..handle import apply_all
-    from ..models import PRESETS, _default_dtype, load_model, make_inputs, train_step
-
-    if mode not in ("training", "inference"):
-        raise ValueError(f"mode must be 'training' or 'inference', got {mode!r}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    step = _step_of(step, mode, optimizer, steps)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if optimizer is not None and mode == "inference":
-        raise ValueError("optimizer is only used in training; pass optimizer=None with mode='inference'")
-    if optimizer is not None and optimizer not in _OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {list(_OPTIMIZERS)} or None, got {optimizer!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if isinstance(model, str):
@@ -106,7 +90,7 @@ def estimate(
         name = model
 
         def model_fn():
-            return load_model(name, size, dtype=dtype, seed=seed)
+            return load_model(name, size=size, dtype=dtype, seed=seed)
     elif callable(model):
         model_fn = model
     else:
@@ -116,56 +100,60 @@ def estimate(
 
     t0 = time.perf_counter()
     cuda = device == "cuda"
+    if step.foreach is None and cuda and step.optimizer is not None:  # torch's default on CUDA
+        step = Step(mode=step.mode, optimizer=step.optimizer, steps=step.steps, foreach=True)
     if progress is None:
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
-    bar = tqdm(total=steps + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
+    n = step.steps
+    bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
     with bar, FakeTensorMode(), _default_dtype(dtype):
         bar.set_postfix_str("building the model")
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"model() must return a torch.nn.Module, got {type(net).__name__}")
-        handle = apply_all(net, optimizations)
-        try:
-            kwargs = inputs(net) if inputs is not None else make_inputs(net, batch_size, seed=seed, **sizes)
-            opt = make_optimizer(optimizer, net.parameters(), foreach=cuda) if mode == "training" else None
-
-            def step():
-                if mode == "training":
-                    train_step(net, kwargs, opt)
-                else:
-                    with torch.no_grad():
-                        net(**kwargs)
-
+        with apply_all(net, optimizations) as handle:
+            kwargs = inputs(net) if inputs is not None else make_inputs(net, batch_size=batch_size, seed=seed, **sizes)
+            runner = step.bind(net, handle)
             bar.update()
-            for i in range(steps - 1):
-                bar.set_postfix_str(f"step {i + 1}/{steps}")
-                step()
+            for i in range(n - 1):
+                bar.set_postfix_str(f"step {i + 1}/{n}")
+                runner.run(kwargs)
                 bar.update()
-            bar.set_postfix_str(f"step {steps}/{steps} (tracked)")
+            bar.set_postfix_str(f"step {n}/{n} (tracked)")
+            granularity = CUDA_BLOCK if cuda else None
             with track(
-                net,
-                optimizer=opt,
                 inputs=kwargs,
-                alloc_granularity=_CUDA_BLOCK if cuda else None,
-                device="cuda" if cuda else None,
+                alloc_granularity=granularity,
+                device=device if cuda else None,
+                **runner.tracked_objects(),
             ) as timeline:
-                step()
+                runner.run(kwargs)
             bar.update()
-        finally:
-            handle.remove()
         params = sum(p.numel() for p in net.parameters())
     timeline.meta.update(
         estimate=True,
         model=model if isinstance(model, str) else getattr(model, "__name__", "model"),
         size=size if isinstance(model, str) else None,
-        mode=mode,
+        mode=step.mode,
         dtype=str(dtype).replace("torch.", ""),
-        optimizer=optimizer,
-        steps=steps,
+        optimizer=step.optimizer,
+        steps=step.steps,
         device=device,
         optimizations=[str(o) for o in optimizations],
         parameters=params,
         seconds=time.perf_counter() - t0,
     )
     return timeline
+
+
+def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int) -> Step:
+    if step is None:
+        if optimizer is not None and mode == "training" and optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} or None, got {optimizer!r}")
+        return Step(mode=mode, optimizer=optimizer, steps=steps)  # validates each argument by name
+    if not isinstance(step, Step):
+        raise TypeError(f"step must be a memkit.Step or None, got {type(step).__name__}")
+    if (mode, optimizer, steps) != ("training", None, 1):
+        raise ValueError("give either step or mode/optimizer/steps, not both")
+    return step

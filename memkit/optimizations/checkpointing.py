@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 
-from .handle import Handle
+from ..handle import Handle
 
 _PATTERNS = ("all",)
 
@@ -23,7 +23,7 @@ def _checkpoint(module: torch.nn.Module, *args):
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checkpointing:
     """Recompute transformer blocks' activations in the backward instead of storing them.
 
@@ -32,7 +32,7 @@ class Checkpointing:
     checkpointing flag and function.
 
     Example:
-        >>> handle = memkit.Checkpointing("all").apply(model)
+        >>> handle = memkit.Checkpointing(pattern="all").apply(model)
         >>> memkit.train_step(model, inputs)   # lower activation peak, one extra forward per block
         >>> handle.remove()
     """
@@ -40,7 +40,7 @@ class Checkpointing:
     pattern: str = "all"
     """Which blocks to checkpoint. ``"all"``: every block diffusers can checkpoint."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.pattern not in _PATTERNS:
             raise ValueError(f"pattern must be one of {list(_PATTERNS)}, got {self.pattern!r}")
 
@@ -67,7 +67,17 @@ class Checkpointing:
                 else:
                     m._gradient_checkpointing_func = func
 
-        return Handle(undo, name=f"checkpointing({self.pattern})")
+        return Handle(undo, name=str(self))
+
+    @classmethod
+    def parse(cls, value: str) -> Checkpointing:
+        """The config a command-line or widget value names: ``"all"``.
+
+        Example:
+            >>> memkit.Checkpointing.parse("all")
+            Checkpointing(pattern='all')
+        """
+        return cls(pattern=value)
 
     def __str__(self) -> str:
         return f"checkpointing:{self.pattern}"

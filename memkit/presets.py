@@ -1,0 +1,407 @@
+"""The seven model presets: each one's diffusers class, its config at three sizes, and its inputs.
+
+A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3,
+LTX-Video, Wan, the SD1.5 UNet, PixArt-Sigma or DiT, its config at each size (``tiny``: tests; ``small``:
+30-100M parameters, benchmarks; ``full``: the released config), the default input sizes, and the function
+that builds the forward's keyword arguments from pixel and token sizes. Each preset's input builder sits
+right above its config, so adding a model is one block in this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+__all__ = ["PRESETS", "SIZES", "Preset"]
+
+SIZES = ("tiny", "small", "full")
+
+InputBuilder = Callable[[Mapping[str, Any], int, Mapping[str, int], "_Maker"], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A diffusers model class, its config at each size, the default sizes of its inputs, and how to build them.
+
+    Example:
+        >>> p = memkit.PRESETS["flux"]
+        >>> p.model_class, p.description, p.input_sizes["full"]
+    """
+
+    name: str
+    """Key in `PRESETS`."""
+    model_class: str
+    """Name of the class in `diffusers`, e.g. ``"FluxTransformer2DModel"``."""
+    configs: Mapping[str, Mapping[str, Any]]
+    """Size (one of `SIZES`) -> keyword arguments of the class."""
+    description: str
+    """One line for menus and reports."""
+    input_sizes: Mapping[str, Mapping[str, int]]
+    """Size -> default `make_inputs` sizes: ``height``/``width`` in pixels, ``frames``, ``text_len`` in tokens.
+    Its keys are the only size keywords the preset accepts."""
+    inputs: InputBuilder
+    """``inputs(config, batch_size, sizes, make) -> forward kwargs``: shapes from the model's config and the
+    pixel/token ``sizes``, tensors from ``make`` (the dtype, device and generator of `memkit.make_inputs`)."""
+
+
+def _frozen(mapping: Mapping) -> Mapping:
+    return MappingProxyType({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in mapping.items()})
+
+
+def _preset(
+    name: str, model_class: str, description: str, configs: dict, input_sizes: dict, inputs: InputBuilder
+) -> Preset:
+    return Preset(name, model_class, _frozen(configs), description, _frozen(input_sizes), inputs)
+
+
+class _Maker:
+    """Tensor factories bound to a dtype, a device and a private generator."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+        self.dtype, self.device = dtype, device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generator, dtype=self.dtype, device=self.device)
+
+    def timestep(self, batch_size: int, scale: float = 1000.0) -> torch.Tensor:
+        return torch.rand(batch_size, generator=self.generator, device=self.device).mul(scale).to(self.dtype)
+
+    def randint(self, high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(high, shape, generator=self.generator, device=self.device)
+
+    def full(self, shape: tuple[int, ...], value: float) -> torch.Tensor:
+        return torch.full(shape, value, dtype=self.dtype, device=self.device)
+
+
+def _latent(sizes: Mapping[str, int], key: str, vae: int, patch: int) -> int:
+    """Latent extent of a pixel size, checked to split into whole patches."""
+    value = sizes[key]
+    if value % (vae * patch):
+        raise ValueError(f"{key}={value} must be a multiple of {vae * patch} ({vae}x VAE, patch {patch})")
+    return value // vae
+
+
+def _latent_frames(sizes: Mapping[str, int], vae_t: int) -> int:
+    frames = sizes["frames"]
+    if (frames - 1) % vae_t:
+        raise ValueError(f"frames={frames} must be {vae_t}*k+1: the video VAE keeps the first frame apart")
+    return (frames - 1) // vae_t + 1
+
+
+def _latent(sizes: Mapping[str, int], key: str, vae: int, patch: int) -> int:
+    """Latent extent of a pixel size, checked to split into whole patches."""
+    value = sizes[key]
+    if value % (vae * patch):
+        raise ValueError(f"{key}={value} must be a multiple of {vae * patch} ({vae}x VAE, patch {patch})")
+    return value // vae
+
+
+def _latent_frames(sizes: Mapping[str, int], vae_t: int) -> int:
+    frames = sizes["frames"]
+    if (frames - 1) % vae_t:
+        raise ValueError(f"frames={frames} must be {vae_t}*k+1: the video VAE keeps the first frame apart")
+    return (frames - 1) // vae_t + 1
+
+
+# fmt: off
+# The configs read as tables; the formatter would put every keyword on its own line.
+def _flux_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # The pipeline packs 2x2 latent pixels of 16 channels into one 64-channel token.
+    h, w = _latent(s, "height", 8, 2) // 2, _latent(s, "width", 8, 2) // 2
+    rows, cols = torch.meshgrid(torch.arange(h, device=make.device), torch.arange(w, device=make.device), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(h * w, 3)  # (0, row, col) per token
+    inputs = {
+        "hidden_states": make.randn(b, h * w, cfg["in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "pooled_projections": make.randn(b, cfg["pooled_projection_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+        "img_ids": img_ids.to(make.dtype),
+        "txt_ids": make.full((s["text_len"], 3), 0.0),
+    }
+    if cfg["guidance_embeds"]:
+        inputs["guidance"] = make.full((b,), 3.5)
+    return inputs
+
+
+_FLUX = _preset(
+    "flux",
+    "FluxTransformer2DModel",
+    "FLUX.1-dev transformer (11.9B at full size)",
+    {
+        "tiny": dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                     joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6)),
+        "small": dict(in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=64, num_attention_heads=8,
+                      joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                      axes_dims_rope=(8, 28, 28)),
+        # black-forest-labs/FLUX.1-dev transformer/config.json
+        "full": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                     axes_dims_rope=(16, 56, 56)),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=512),  # T5 max_sequence_length of FLUX.1-dev
+    },
+    _flux_inputs,
+)
+
+
+
+def _sd3_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    p, limit = cfg["patch_size"], cfg["pos_embed_max_size"]
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    for key, extent in (("height", h), ("width", w)):
+        if limit and extent // p > limit:
+            raise ValueError(f"{key}={s[key]} exceeds the {limit * p * 8} px the position embedding covers")
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "pooled_projections": make.randn(b, cfg["pooled_projection_dim"]),
+        "timestep": make.timestep(b),
+    }
+
+
+_SD3 = _preset(
+    "sd3",
+    "SD3Transformer2DModel",
+    "Stable Diffusion 3 Medium MMDiT (2.0B at full size)",
+    {
+        "tiny": dict(sample_size=4, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                     num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                     pooled_projection_dim=32, pos_embed_max_size=16),
+        "small": dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=4,
+                      attention_head_dim=64, num_attention_heads=8, joint_attention_dim=4096,
+                      caption_projection_dim=512, pooled_projection_dim=2048, pos_embed_max_size=96),
+        # stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json
+        "full": dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+                     attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                     caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=333),  # 77 CLIP + 256 T5 tokens
+    },
+    _sd3_inputs,
+)
+
+
+def _ltx_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    p, pt = cfg["patch_size"], cfg["patch_size_t"]
+    h, w = _latent(s, "height", 32, p) // p, _latent(s, "width", 32, p) // p
+    f = _latent_frames(s, 8)
+    if f % pt:
+        raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch_size_t={pt}")
+    f //= pt
+    return {
+        "hidden_states": make.randn(b, f * h * w, cfg["in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
+        "timestep": make.timestep(b),
+        "encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
+        "num_frames": f,
+        "height": h,
+        "width": w,
+        # What LTXPipeline passes at its default 25 fps: (temporal VAE ratio / fps, spatial, spatial).
+        "rope_interpolation_scale": (8 / 25, 32, 32),
+    }
+
+
+_LTX = _preset(
+    "ltx-video",
+    "LTXVideoTransformer3DModel",
+    "LTX-Video 0.9 transformer (1.9B at full size)",
+    {
+        "tiny": dict(in_channels=128, out_channels=128, num_attention_heads=2, attention_head_dim=16,
+                     cross_attention_dim=32, num_layers=2, caption_channels=32),
+        "small": dict(in_channels=128, out_channels=128, num_attention_heads=8, attention_head_dim=64,
+                      cross_attention_dim=512, num_layers=8, caption_channels=4096),
+        # Lightricks/LTX-Video transformer/config.json
+        "full": dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                     attention_head_dim=64, cross_attention_dim=2048, num_layers=28, activation_fn="gelu-approximate",
+                     qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
+                     caption_channels=4096, attention_bias=True, attention_out_bias=True),
+    },
+    {
+        "tiny": dict(height=64, width=64, frames=9, text_len=8),
+        "small": dict(height=256, width=256, frames=17, text_len=64),
+        "full": dict(height=480, width=704, frames=41, text_len=128),
+    },
+    _ltx_inputs,
+)
+
+
+def _wan_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    pt, ph, pw = cfg["patch_size"]
+    h, w, f = _latent(s, "height", 8, ph), _latent(s, "width", 8, pw), _latent_frames(s, 4)
+    if f % pt:
+        raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch {pt}")
+    limit = cfg["rope_max_seq_len"]
+    for key, extent in (("frames", f // pt), ("height", h // ph), ("width", w // pw)):
+        if extent > limit:
+            raise ValueError(f"{key}={s[key]} gives {extent} positions, over rope_max_seq_len={limit}")
+    inputs = {
+        "hidden_states": make.randn(b, cfg["in_channels"], f, h, w),
+        "timestep": make.timestep(b),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_dim"]),
+    }
+    if cfg.get("image_dim"):  # image-to-video checkpoints: 257 CLIP image tokens
+        inputs["encoder_hidden_states_image"] = make.randn(b, 257, cfg["image_dim"])
+    return inputs
+
+
+_WAN = _preset(
+    "wan",
+    "WanTransformer3DModel",
+    "Wan2.1 T2V 14B transformer (14.3B at full size)",
+    {
+        "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+                     out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=1024),
+        "small": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16,
+                      out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=2048, num_layers=8,
+                      rope_max_seq_len=1024),
+        # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (the 1.3B model: 12 heads, ffn 8960, 30 layers)
+        "full": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    },
+    {
+        "tiny": dict(height=32, width=32, frames=5, text_len=8),
+        "small": dict(height=128, width=128, frames=9, text_len=64),
+        "full": dict(height=480, width=832, frames=17, text_len=512),
+    },
+    _wan_inputs,
+)
+
+
+_SD_DOWN = ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D")
+
+
+_SD_UP = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D")
+
+
+def _unet_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    h, w = _latent(s, "height", 8, 1), _latent(s, "width", 8, 1)
+    return {
+        "sample": make.randn(b, cfg["in_channels"], h, w),
+        "timestep": make.timestep(b),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["cross_attention_dim"]),
+    }
+
+
+_UNET = _preset(
+    "unet",
+    "UNet2DConditionModel",
+    "Stable Diffusion 1.5 UNet (860M at full size)",
+    {
+        "tiny": dict(sample_size=4, in_channels=4, out_channels=4, block_out_channels=(16, 32),
+                     down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1, norm_num_groups=8,
+                     cross_attention_dim=16, attention_head_dim=2),
+        "small": dict(sample_size=32, in_channels=4, out_channels=4, down_block_types=_SD_DOWN, up_block_types=_SD_UP,
+                      block_out_channels=(64, 128, 256, 256), layers_per_block=2, cross_attention_dim=768,
+                      attention_head_dim=8),
+        # stable-diffusion-v1-5/stable-diffusion-v1-5 unet/config.json
+        "full": dict(sample_size=64, in_channels=4, out_channels=4, down_block_types=_SD_DOWN, up_block_types=_SD_UP,
+                     block_out_channels=(320, 640, 1280, 1280), layers_per_block=2, norm_num_groups=32,
+                     cross_attention_dim=768, attention_head_dim=8),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=77),
+        "full": dict(height=512, width=512, text_len=77),
+    },
+    _unet_inputs,
+)
+
+
+def _pixart_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    p = cfg["patch_size"]
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    micro = cfg["use_additional_conditions"]
+    if micro is None:  # PixArtTransformer2DModel's own rule
+        micro = cfg["sample_size"] == 128
+    added = {"resolution": None, "aspect_ratio": None}
+    if micro:
+        resolution = torch.cat([make.full((b, 1), s["height"]), make.full((b, 1), s["width"])], dim=1)
+        added = {"resolution": resolution, "aspect_ratio": make.full((b, 1), s["height"] / s["width"])}
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
+        "encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
+        "timestep": make.timestep(b),
+        "added_cond_kwargs": added,
+    }
+
+
+_PIXART = _preset(
+    "pixart",
+    "PixArtTransformer2DModel",
+    "PixArt-Sigma XL-2 1024 transformer (0.6B at full size)",
+    {
+        "tiny": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
+                     cross_attention_dim=32, sample_size=4, patch_size=2, caption_channels=32,
+                     use_additional_conditions=False),
+        "small": dict(num_attention_heads=8, attention_head_dim=64, in_channels=4, out_channels=8, num_layers=8,
+                      cross_attention_dim=512, sample_size=32, patch_size=2, caption_channels=4096,
+                      use_additional_conditions=False),
+        # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer/config.json (no micro-conditions)
+        "full": dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
+                     cross_attention_dim=1152, attention_bias=True, sample_size=128, patch_size=2,
+                     activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+                     norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=4096, interpolation_scale=2,
+                     use_additional_conditions=False),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=300),  # T5 max_sequence_length of PixArt-Sigma
+    },
+    _pixart_inputs,
+)
+
+
+def _dit_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    p = cfg["patch_size"]
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    if h != w:
+        raise ValueError(f"height={s['height']} and width={s['width']} must be equal: DiT unpatchifies squares only")
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "timestep": make.timestep(b),
+        "class_labels": make.randint(cfg["num_embeds_ada_norm"], b),
+    }
+
+
+_DIT = _preset(
+    "dit",
+    "DiTTransformer2DModel",
+    "DiT-XL/2 256 class-conditional transformer (750M at full size in diffusers, 675M in the paper)",
+    {
+        "tiny": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
+                     sample_size=4, patch_size=2),
+        # DiT-S/2 of the DiT paper (33M)
+        "small": dict(num_attention_heads=6, attention_head_dim=64, in_channels=4, out_channels=8, num_layers=12,
+                      sample_size=32, patch_size=2),
+        # facebook/DiT-XL-2-256 transformer/config.json. diffusers gives each of the 28 blocks its own copy of the
+        # timestep and class embedder (2.77M parameters each), hence 750M where the paper counts 675M.
+        "full": dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
+                     sample_size=32, patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                     norm_type="ada_norm_zero", norm_elementwise_affine=False),
+    },
+    {
+        "tiny": dict(height=32, width=32),
+        "small": dict(height=256, width=256),
+        "full": dict(height=256, width=256),
+    },
+    _dit_inputs,
+)
+# fmt: on
+
+PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in (_FLUX, _SD3, _LTX, _WAN, _UNET, _PIXART, _DIT)})
+"""Preset name -> `Preset`, in menu order."""

@@ -1,0 +1,259 @@
+"""One training or inference step, written once and run by everyone: `compare`, `estimate`, the command line
+and the widgets.
+
+A step is forward, a loss, backward, and (with an optimizer) the update and ``zero_grad``; then whatever the
+applied optimizations do once per step (an EMA update, an offload write-back), through their handle's
+``after_step``. :class:`Step` says which step (mode, optimizer, how many steps a measurement runs);
+``Step.bind(model, handle)`` makes the optimizer for that model and returns a :class:`StepRunner` whose
+``run(inputs)`` is one step. :func:`train_step` is the same step as a plain function.
+
+The loss is ``mean(output ** 2)`` in float32: a stand-in for the diffusion loss with the same memory shape
+(activations kept for backward, one gradient per parameter) without needing targets. It is computed in the
+``forward`` phase, so the float32 copy of the output that the backward keeps counts as an activation.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .handle import Handle
+from .memory.tracker import phase
+
+__all__ = ["MODES", "OPTIMIZERS", "Step", "StepRunner", "check_inputs", "make_optimizer", "model_output", "train_step"]
+
+MODES = ("training", "inference")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def model_output(out: Any) -> torch.Tensor:
+    """The prediction tensor in whatever a diffusers forward returned: a tensor, ``.sample``, or a tuple.
+
+    Example:
+        >>> out = model(**make_inputs(model))
+        >>> model_output(out).shape
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping) and "sample" in out:
+        return out["sample"]
+    if isinstance(getattr(out, "sample", None), torch.Tensor):
+        return out.sample
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"cannot find the output tensor in a {type(out).__name__}")
+
+
+def check_inputs(model: torch.nn.Module, inputs: Any) -> None:
+    """Raise a ValueError naming ``inputs`` when its keys don't fit ``model.forward`` (unknown or missing).
+
+    Shapes are checked by the model itself; build inputs with :func:`make_inputs` to get them right.
+
+    Example:
+        >>> check_inputs(model, {"hidden_states": x})   # ValueError: inputs is missing 'timestep', ...
+    """
+    if not isinstance(inputs, Mapping):
+        raise TypeError(f"inputs must be a mapping of forward keyword arguments, got {type(inputs).__name__}")
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(inputs) - set(params))
+    if unknown:
+        raise ValueError(
+            f"inputs has keys that {type(model).__name__}.forward does not take: {unknown}; it takes {sorted(params)}"
+        )
+    missing = sorted(
+        n
+        for n, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and n not in inputs
+    )
+    if missing:
+        raise ValueError(f"inputs is missing {missing} for {type(model).__name__}.forward; see memkit.make_inputs")
+
+
+def make_optimizer(name: str | None, params, *, foreach: bool | None = None) -> torch.optim.Optimizer | None:
+    """An optimizer by name (``"adamw"``, ``"adam"``, ``"sgd"``) over the ``params`` that require grad; None for None.
+
+    Example:
+        >>> opt = make_optimizer("adamw", model.parameters())
+    """
+    if name is None:
+        return None
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} or None, got {name!r}")
+    params = [p for p in params if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4, foreach=foreach)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach)
+
+
+OutputHook = Callable[[torch.Tensor], None]
+GradsHook = Callable[[torch.nn.Module], None]
+
+
+def _run(
+    model: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    mode: str,
+    optimizer: torch.optim.Optimizer | None,
+    handle: Handle | None,
+    on_output: OutputHook | None,
+    on_grads: GradsHook | None,
+) -> torch.Tensor | None:
+    check_inputs(model, inputs)
+    if mode == "inference":
+        with torch.no_grad():
+            out = model_output(model(**inputs))
+            if on_output is not None:
+                on_output(out)
+            del out
+        loss = None
+    else:
+        out = model_output(model(**inputs))
+        if on_output is not None:
+            on_output(out)
+        with phase("forward"):  # the loss belongs to the forward: what backward keeps of it is an activation
+            loss = out.float().pow(2).mean()
+        del out  # hold nothing the step itself would not hold
+        loss.backward()
+        if on_grads is not None:
+            on_grads(model)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach()
+    if handle is not None:
+        handle.after_step()
+    return loss
+
+
+def train_step(
+    model: torch.nn.Module, inputs: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None
+) -> torch.Tensor:
+    """One forward, loss, backward and (optionally) optimizer step; returns the loss, detached.
+
+    Without an optimizer, gradients accumulate across calls as in a plain loop; with one, it steps and frees
+    them (``zero_grad(set_to_none=True)``), so they do not count towards the next step's peak. To run the
+    optimizations' per-step work too (EMA updates), use :class:`Step`.
+
+    Example:
+        >>> model = memkit.load_model("sd3")
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> loss = memkit.train_step(model, memkit.make_inputs(model), optimizer)
+    """
+    return _run(model, inputs, "training", optimizer, None, None, None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """Which step to run: training or inference, with which optimizer, and how many steps a measurement takes.
+
+    ``compare``, ``estimate``, the command line and the widgets all take a ``Step`` and run it the same way;
+    an optimization that lives across steps (EMA, offload write-back) hooks in through its handle's
+    ``after_step`` instead of growing its own loop.
+
+    Example:
+        >>> step = memkit.Step(mode="training", optimizer="adamw", steps=2)
+        >>> runner = step.bind(model)
+        >>> loss = runner.run(memkit.make_inputs(model))
+    """
+
+    mode: Literal["training", "inference"] = "training"
+    """``"training"``: forward, loss, backward (and the optimizer's update); ``"inference"``: forward under
+    ``no_grad``."""
+    optimizer: Literal["adamw", "adam", "sgd"] | None = None
+    """The optimizer of a training step. None: no update, gradients are only computed (and accumulate
+    across steps, as in a loop of ``loss.backward()``)."""
+    steps: int = 1
+    """Steps a measurement runs; the last is the one measured, so state that lives across steps (optimizer
+    state, EMA shadows, accumulated gradients) exists when it runs."""
+    foreach: bool | None = None
+    """The optimizer's foreach implementation (one fused kernel per op over all tensors, with a temporary per
+    op). None: torch's default for the device (foreach on CUDA, per-tensor loops on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} or None, got {self.optimizer!r}")
+        if self.optimizer is not None and self.mode == "inference":
+            raise ValueError("optimizer is only used in training; pass optimizer=None with mode='inference'")
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
+        if self.foreach not in (None, True, False):
+            raise ValueError(f"foreach must be True, False or None, got {self.foreach!r}")
+
+    @property
+    def training(self) -> bool:
+        """True for a training step."""
+        return self.mode == "training"
+
+    def bind(self, model: torch.nn.Module, handle: Handle | None = None) -> StepRunner:
+        """A runner of this step for ``model`` (its optimizer built now), calling ``handle.after_step()``
+        after each step.
+
+        Example:
+            >>> with memkit.Checkpointing().apply(model) as handle:
+            ...     memkit.Step().bind(model, handle).run(inputs)
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if handle is not None and not isinstance(handle, Handle):
+            raise TypeError(f"handle must be a memkit.Handle or None, got {type(handle).__name__}")
+        optimizer = make_optimizer(self.optimizer, model.parameters(), foreach=self.foreach) if self.training else None
+        return StepRunner(self, model, optimizer, handle)
+
+    def __str__(self) -> str:
+        if not self.training:
+            return "inference"
+        return f"training ({self.optimizer or 'no optimizer'})"
+
+
+class StepRunner:
+    """A :class:`Step` bound to a model, its optimizer and the applied optimizations' handle.
+
+    Example:
+        >>> runner = memkit.Step(optimizer="sgd").bind(model)
+        >>> for _ in range(3):
+        ...     runner.run(inputs)
+    """
+
+    def __init__(
+        self,
+        step: Step,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        handle: Handle | None,
+    ) -> None:
+        self.step, self.model, self.optimizer, self.handle = step, model, optimizer, handle
+
+    def run(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        on_output: OutputHook | None = None,
+        on_grads: GradsHook | None = None,
+    ) -> torch.Tensor | None:
+        """One step on ``inputs``; returns the loss (None in inference).
+
+        ``on_output(output)`` sees the model's output tensor before the loss, ``on_grads(model)`` the model
+        after backward and before the update: ``compare`` uses them to record what it compares. They are
+        called with references only; what they keep is on them.
+        """
+        return _run(self.model, inputs, self.step.mode, self.optimizer, self.handle, on_output, on_grads)
+
+    def tracked_objects(self) -> dict[str, Any]:
+        """What ``memkit.track`` needs to count this runner's memory from the start: the model, its
+        optimizer and the memory the optimizations own."""
+        return {"model": self.model, "optimizer": self.optimizer, "owned": self.handle}
+
+    def __repr__(self) -> str:
+        return f"StepRunner({self.step}, {type(self.model).__name__})"
