@@ -4,7 +4,7 @@ Each estimate (a bf16 AdamW training step planned for CUDA, default input sizes)
 so its peak RSS (``VmHWM``) is its own: "RSS after imports" is the floor that importing torch,
 diffusers and memkit sets, "peak RSS" includes the estimate. The estimate's seconds are the ones it reports in
 ``timeline.meta`` (model construction on fake tensors, the step, the timeline); "process" adds interpreter start
-and imports. The same is run again with ``Checkpointing("all")``.
+and imports. The same is run again with ``Checkpointing(pattern="all")``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _worker(preset: str, checkpointing: bool) -> None:
     import memkit
 
     rss_imports = _peak_rss_kib()
-    optimizations = [memkit.Checkpointing("all")] if checkpointing else []
+    optimizations = [memkit.Checkpointing(pattern="all")] if checkpointing else []
     timeline = memkit.estimate(
         preset,
         size="full",

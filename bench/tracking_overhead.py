@@ -41,7 +41,7 @@ class _Counter(TorchDispatchMode):
 
 
 def _measure(preset: str, size: str, repeats: int, warmup: int) -> dict:
-    model = memkit.load_model(preset, size)
+    model = memkit.load_model(preset, size=size)
     inputs = memkit.make_inputs(model)
 
     def step() -> None:

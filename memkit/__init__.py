@@ -47,7 +47,7 @@ _EXPORTS = {
     "VariantResult": ".comparison",
     "estimate": ".estimation",
 }
-_SUBMODULES = ("memory", "optimizations", "plots")
+_SUBMODULES = ("memory", "optimizations", "plots", "step", "models", "presets", "handle", "comparison", "estimation")
 
 __all__ = [
     "CATEGORIES",

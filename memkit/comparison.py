@@ -242,7 +242,7 @@ def _reference_step(runner, inputs: Mapping[str, Any], seed: int) -> _Reference:
             on_output=lambda out: captured.__setitem__("output", out.detach().clone()),
             on_grads=lambda model: captured.__setitem__("grads", _clone_grads(model)),
         )
-    params = _clone_params(runner.model) if runner.optimizer is not None else None
+    params = _clone_params(runner.model) if runner.step.training else None
     return _Reference(captured["output"], captured.get("grads", {}), params)
 
 

@@ -7,7 +7,7 @@ import memkit
 def _run(model, inputs):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # DiT drops class labels at random in training
-    out = memkit.models.model_output(model(**inputs))
+    out = memkit.step.model_output(model(**inputs))
     out.float().pow(2).mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -17,7 +17,7 @@ def test_same_outputs_and_gradients_with_checkpointing(preset):
     model = memkit.load_model(preset)
     inputs = memkit.make_inputs(model)
     ref_out, ref_grads = _run(model, inputs)
-    with memkit.Checkpointing("all").apply(model):
+    with memkit.Checkpointing(pattern="all").apply(model):
         assert model.is_gradient_checkpointing
         out, grads = _run(model, inputs)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
@@ -34,7 +34,7 @@ def test_remove_restores_every_module_exactly():
         if hasattr(m, "gradient_checkpointing")
     }
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = memkit.Checkpointing("all").apply(model)
+    handle = memkit.Checkpointing(pattern="all").apply(model)
     assert handle.active and model.is_gradient_checkpointing
     handle.remove()
     handle.remove()  # harmless twice
@@ -60,6 +60,6 @@ def test_checkpointing_lowers_activation_peak():
 
 def test_bad_pattern_and_unsupported_model():
     with pytest.raises(ValueError, match=r"pattern must be one of \['all'\]"):
-        memkit.Checkpointing("every:2")
+        memkit.Checkpointing(pattern="every:2")
     with pytest.raises(ValueError, match="does not support gradient checkpointing"):
         memkit.Checkpointing().apply(torch.nn.Linear(2, 2))

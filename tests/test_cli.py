@@ -1,5 +1,7 @@
+
 """The command line, run in-process through ``main([...])``, plus one real ``python -m memkit --help``."""
 
+import dataclasses
 import json
 import pickle
 import subprocess
@@ -10,9 +12,10 @@ import pytest
 import torch
 
 import memkit
-from memkit import cli
-from memkit.cli import REPORT_VARIANTS, OptimizationFlag, main
+from memkit.cli import main
+from memkit.cli._common import report_variants
 from memkit.memory.events import COLUMNS
+from memkit.optimizations import Spec
 
 PRESET = "pixart"  # the cheapest tiny preset to estimate and to compare
 
@@ -74,19 +77,28 @@ def test_estimate_table_with_checkpointing_defaults_to_cuda(capsys):
         dtype=torch.bfloat16,
         optimizer="adamw",
         device="cuda",
-        optimizations=[memkit.Checkpointing("all")],
+        optimizations=[memkit.Checkpointing(pattern="all")],
     )
     assert "peak (B)" in out and f"{timeline.peak_bytes:,}" in out
     assert "checkpointing:all" in out and "device cuda" in out
 
 
-def test_optimization_flags_compose(capsys, monkeypatch):
+def test_optimization_flags_come_from_the_registry_and_compose(capsys, monkeypatch):
+    @dataclasses.dataclass(frozen=True, kw_only=True)
     class Marker:
+        level: str = "on"
+
+        @classmethod
+        def parse(cls, value):
+            if value not in ("on", "high"):
+                raise ValueError(f"level must be one of ['on', 'high'], got {value!r}")
+            return cls(level=value)
+
         def apply(self, model):
-            return memkit.Handle(lambda: None)
+            return memkit.Handle(lambda: None, name=str(self))
 
         def __str__(self):
-            return "marker"
+            return f"marker:{self.level}"
 
     seen = {}
 
@@ -95,13 +107,18 @@ def test_optimization_flags_compose(capsys, monkeypatch):
         columns = {name: np.zeros(0, dtype) for name, dtype in COLUMNS}
         return memkit.Timeline(columns, meta={"dtype": "bfloat16", "parameters": 0, "seconds": 0.0})
 
-    flag = OptimizationFlag("--marker", "test switch", lambda on: Marker(), {"action": "store_true"})
-    monkeypatch.setattr(cli, "OPTIMIZATION_FLAGS", (*cli.OPTIMIZATION_FLAGS, flag))
+    spec = Spec(name="marker", config=Marker, summary="a test switch", metavar="LEVEL", choices=("on", "high"))
+    monkeypatch.setitem(memkit.optimizations._REGISTRY, "marker", spec)
     monkeypatch.setattr(memkit, "estimate", fake_estimate)
-    code, out, err = _run(capsys, "estimate", PRESET, "--checkpointing", "all", "--marker")
+    code, out, err = _run(capsys, "estimate", PRESET, "--checkpointing", "all", "--marker", "high")
     assert code == 0, err
-    assert [str(o) for o in seen["optimizations"]] == ["checkpointing:all", "marker"]
-    assert "checkpointing:all, marker" in out
+    assert [str(o) for o in seen["optimizations"]] == ["checkpointing:all", "marker:high"]
+    assert "checkpointing:all, marker:high" in out
+    code, out, err = _run(capsys, "estimate", PRESET, "--marker")  # the flag alone: the default choice
+    assert code == 0, err
+    assert [str(o) for o in seen["optimizations"]] == ["marker:on"]
+    code, _, err = _run(capsys, "estimate", PRESET, "--marker", "low")
+    assert code == 2 and "--marker low" in err and "['on', 'high']" in err
 
 
 def test_unknown_preset_exits_2_with_the_list(capsys):
@@ -142,7 +159,7 @@ def test_report_writes_one_self_contained_html(capsys, tmp_path):
     code, out, err = _run(capsys, "report", PRESET, "--out", str(path), "--repeats", "0", "--quiet")
     assert code == 0, err
     page = path.read_text()
-    for name in ("baseline", *REPORT_VARIANTS):
+    for name in ("baseline", *report_variants()):
         assert f"<th>{name}</th>" in page
     assert page.count('class="plotly-graph-div"') == 2  # comparison and baseline timeline
     assert page.count("window.PlotlyConfig") == 1  # plotly.js inlined once

@@ -26,7 +26,7 @@ class Perturb:
 def test_checkpointing_passes_and_lowers_the_peak():
     cmp = memkit.compare(
         "flux",
-        {"checkpointing": [memkit.Checkpointing("all")]},
+        {"checkpointing": [memkit.Checkpointing(pattern="all")]},
         inputs=lambda m: memkit.make_inputs(m, height=128, width=128),
         repeats=1,
         progress=False,
@@ -38,7 +38,7 @@ def test_checkpointing_passes_and_lowers_the_peak():
     base, ckpt = cmp.results["baseline"].timeline, cmp.results["checkpointing"].timeline
     assert table.loc["checkpointing", "peak (MiB)"] == ckpt.peak_bytes / 2**20
     assert ckpt.peak_bytes < base.peak_bytes
-    assert table.loc["baseline", "peak vs baseline"] == 1.0
+    assert table.loc["checkpointing", "peak vs baseline"] == ckpt.peak_bytes / base.peak_bytes < 1.0
 
 
 def test_a_wrong_variant_fails_and_the_difference_is_reported():
@@ -100,3 +100,109 @@ def test_from_timelines_puts_estimates_side_by_side():
         memkit.Comparison.from_timelines({"a": plain}, baseline="b")
     with pytest.raises(TypeError, match=r"timelines\['a'\] must be a Timeline"):
         memkit.Comparison.from_timelines({"a": 1})
+
+
+class Toy(torch.nn.Module):
+    """out = x @ W.T + b with every output of magnitude about ``scale``."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.lin.weight.fill_(0.0)
+            self.lin.bias.copy_(torch.linspace(-scale, scale, 4))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("scale", [0.25, 8.0])
+def test_tolerance_is_relative_to_the_larger_of_one_and_the_baseline_magnitude(scale):
+    # The rule: pass when max|Δ| <= tolerance * max(1, max|baseline|), for the output and each gradient.
+    # Inference compares the output only; the perturbation moves every output by exactly delta.
+    delta = 2.0**-10
+    allowed = max(1.0, scale)
+    for tolerance, expected in ((delta / allowed * 1.01, True), (delta / allowed * 0.99, False)):
+        cmp = memkit.compare(
+            lambda: Toy(scale),
+            {"shift": [Perturb(delta)]},
+            mode="inference",
+            inputs={"x": torch.ones(1, 4)},
+            tolerance=tolerance,
+            repeats=0,
+            progress=False,
+        )
+        result = cmp.results["shift"]
+        assert result.max_abs_d_output == delta
+        assert result.passed is expected, (scale, tolerance)
+
+
+class OwnsMemory:
+    """Allocates a buffer in apply (like EMA shadows) and declares it through the handle."""
+
+    def __init__(self, numel, category="ema"):
+        self.numel, self.category = numel, category
+
+    def apply(self, model):
+        buffer = torch.zeros(self.numel)
+        return Handle(lambda: None, name="owns", owned={self.category: [buffer]})
+
+
+def test_memory_a_handle_owns_is_counted_in_its_category():
+    cmp = memkit.compare("dit", {"owns": [OwnsMemory(1000)]}, repeats=0, progress=False)
+    base, owns = cmp.results["baseline"].timeline, cmp.results["owns"].timeline
+    assert owns.baseline_by_category["ema"] == 4000 and base.baseline_by_category["ema"] == 0
+    assert owns.peak_by_category()["ema"] == 4000
+    assert owns.peak_bytes - base.peak_bytes == 4000
+    assert cmp.table().loc["owns", "ema (MiB)"] == 4000 / 2**20
+
+
+def test_a_variant_carries_its_own_step_and_check():
+    calls = []
+
+    def check(model, handle):
+        calls.append(handle.name)
+        return {"shadow |Δ|": 0.0, "other |Δ|": 1.0}
+
+    variants = {
+        "checked": memkit.Variant(optimizations=[memkit.Checkpointing()], check=check),
+        "sgd": memkit.Variant(step=memkit.Step(optimizer="sgd")),
+        "short": [memkit.Checkpointing()],  # the short form
+    }
+    cmp = memkit.compare("flux", variants, repeats=0, progress=False, tolerance=1e-6)
+    table = cmp.table()
+    assert calls == ["checkpointing:all"]
+    assert table.loc["checked", "shadow |Δ|"] == 0.0 and table.loc["checked", "other |Δ|"] == 1.0
+    assert not table.loc["checked", "pass"]  # a check over the tolerance fails the variant
+    assert table.loc["short", "pass"]
+    assert cmp.results["sgd"].step.optimizer == "sgd"
+    # The baseline took no update: the SGD variant's parameters moved, its output and gradients did not.
+    assert table.loc["sgd", "max |Δoutput|"] == 0.0 and table.loc["sgd", "max |Δgrad|"] == 0.0
+    assert table.loc["sgd", "max |Δparam|"] > 0 and not table.loc["sgd", "pass"]
+
+
+def test_with_an_optimizer_parameters_after_the_update_are_compared():
+    step = memkit.Step(optimizer="adamw")
+    cmp = memkit.compare(
+        "dit", {"ckpt": [memkit.Checkpointing()], "wrong": [Perturb(1e-2)]}, step=step, repeats=1, progress=False
+    )
+    table = cmp.table()
+    assert table.loc["ckpt", "max |Δparam|"] == 0.0 and table.loc["ckpt", "pass"]
+    assert table.loc["wrong", "max |Δparam|"] > 0 and not table.loc["wrong", "pass"]
+    # the tracked step is a steady one: AdamW's state exists before it starts
+    assert cmp.results["ckpt"].timeline.baseline_by_category["optimizer_state"] > 0
+
+
+def test_variant_and_step_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"variants\['x'\] must be a memkit.Variant or a list"):
+        memkit.compare("flux", {"x": memkit.Checkpointing()})
+    with pytest.raises(TypeError, match="step must be a memkit.Step"):
+        memkit.compare("flux", {}, step="adamw")
+    with pytest.raises(ValueError, match="every variant's step must be a training step"):
+        memkit.compare("flux", {"x": memkit.Variant(step=memkit.Step(mode="inference"))})
+    with pytest.raises(TypeError, match="check must be callable"):
+        memkit.Variant(check=1)
+    with pytest.raises(ValueError, match="tolerance must be > 0"):
+        memkit.compare("flux", {}, tolerance=0)
+    with pytest.raises(ValueError, match="model_fn must be a callable or one of the presets"):
+        memkit.compare("fluxx", {})

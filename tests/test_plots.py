@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import memkit
 from memkit import plots
-from memkit.compare import VariantResult
+from memkit.comparison import VariantResult
 from memkit.memory import CATEGORIES, PHASES, Timeline
 
 MiB = 1 << 20

@@ -13,10 +13,13 @@ def test_readme_library_example_runs(monkeypatch, capsys):
     assert blocks, "the README has a python example"
     monkeypatch.setattr(pio.renderers, "default", "json")  # fig.show() must not try to open a browser
     namespace: dict = {}
-    exec(compile(blocks[0], str(README), "exec"), namespace)
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
     timeline, cmp, tl = namespace["timeline"], namespace["cmp"], namespace["tl"]
     assert timeline.peak_bytes > timeline.baseline_bytes
     assert cmp.table()["pass"].all()
     # full Flux in bf16 with AdamW: at least parameters, gradients and two moments (2 bytes each) at once
     assert tl.meta["parameters"] > 11e9
     assert tl.peak_bytes >= 4 * 2 * tl.meta["parameters"]
+    steady = namespace["steady"].table()
+    assert steady["pass"].all() and steady.loc["ckpt", "max |Δparam|"] == 0.0

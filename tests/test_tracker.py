@@ -92,7 +92,7 @@ def test_categories_and_phases_of_a_training_step():
     inputs = memkit.make_inputs(model, height=64, width=64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with track(model, optimizer=opt, inputs=inputs) as tl:
-        out = memkit.models.model_output(model(**inputs))
+        out = memkit.step.model_output(model(**inputs))
         loss = out.pow(2).mean()
         at_backward = tl.live_bytes[-1] if len(tl) else tl.baseline_bytes
         loss.backward()
@@ -117,7 +117,7 @@ def test_categories_and_phases_of_a_training_step():
 def test_checkpoint_recompute_is_activation_in_backward():
     model = memkit.load_model("flux")
     inputs = memkit.make_inputs(model)
-    with memkit.Checkpointing("all").apply(model):
+    with memkit.Checkpointing(pattern="all").apply(model):
         with track(model, inputs=inputs) as tl:
             memkit.train_step(model, inputs)
     df = tl.to_pandas()

@@ -1,0 +1,102 @@
+"""The registry every optimization is known by, and the contract every registered one keeps."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import memkit
+from memkit.optimizations import REGISTRY, Spec, parse, register
+from memkit.step import Step, model_output
+
+SPECS = sorted(REGISTRY)
+MODELS = ["flux", "unet"]  # a transformer and the UNet: different block structures
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    """Everything `remove()` must restore: the module tree, the state_dict bits, flags and hooks."""
+    return {
+        "tree": [(name, type(m).__name__) for name, m in model.named_modules()],
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "attrs": [
+            sorted(
+                (k, repr(v)) for k, v in vars(m).items() if not k.startswith(("_parameters", "_buffers", "_modules"))
+            )
+            for m in model.modules()
+        ],
+        "forward": [type(m).forward for m in model.modules()],
+        "instance_forward": [m.__dict__.get("forward") for m in model.modules()],
+    }
+
+
+def _outputs(model, inputs):
+    with torch.no_grad():
+        return model_output(model(**inputs)).clone()
+
+
+@pytest.mark.parametrize("preset", MODELS)
+@pytest.mark.parametrize("name", SPECS)
+def test_apply_step_remove_leaves_the_model_bit_identical(name, preset):
+    spec = REGISTRY[name]
+    for value in spec.choices:
+        model = memkit.load_model(preset)
+        inputs = memkit.make_inputs(model)
+        before, out_before = _snapshot(model), _outputs(model, inputs)
+        with spec.parse(value).apply(model) as handle:
+            Step().bind(model, handle).run(inputs)  # gradients only: the weights stay
+        model.zero_grad(set_to_none=True)
+        after = _snapshot(model)
+        assert after["tree"] == before["tree"]
+        assert after["state"].keys() == before["state"].keys()
+        for k, v in before["state"].items():
+            assert torch.equal(after["state"][k], v), k
+        assert after["attrs"] == before["attrs"]
+        assert after["forward"] == before["forward"] and after["instance_forward"] == before["instance_forward"]
+        assert torch.equal(_outputs(model, inputs), out_before)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_spec_names_itself_consistently(name):
+    spec = REGISTRY[name]
+    assert spec.name == name
+    assert dataclasses.is_dataclass(spec.config) and spec.config.__dataclass_params__.frozen
+    for field in dataclasses.fields(spec.config):
+        assert field.kw_only, f"{spec.config.__name__}.{field.name} must be keyword-only"
+    for value in spec.choices:
+        config = spec.parse(value)
+        assert isinstance(config, spec.config)
+        assert str(config) == f"{name}:{value}"
+        assert parse(str(config)) == config
+        model = memkit.load_model("dit")
+        with config.apply(model) as handle:
+            assert handle.name == str(config)
+    assert parse(name) == spec.default
+    assert spec.summary and spec.metavar
+    assert set(spec.report) <= set(spec.choices)
+
+
+def test_checkpointing_is_registered_with_its_patterns():
+    spec = REGISTRY["checkpointing"]
+    assert spec.config is memkit.Checkpointing
+    assert parse("checkpointing:all") == memkit.Checkpointing(pattern="all")
+
+
+def test_parse_and_register_refuse_bad_input_by_name():
+    with pytest.raises(ValueError, match="unknown optimization 'ema'; registered: checkpointing"):
+        parse("ema:0.999")
+    with pytest.raises(ValueError, match="pattern must be one of"):
+        parse("checkpointing:sometimes")
+    with pytest.raises(TypeError, match="text must be a string"):
+        parse(3)
+    with pytest.raises(ValueError, match="registered already"):
+        register(REGISTRY["checkpointing"])
+    spec = dataclasses.replace(REGISTRY["checkpointing"], name="Bad Name")
+    with pytest.raises(ValueError, match="lowercase word"):
+        register(spec)
+    with pytest.raises(ValueError, match="at least one value"):
+        register(dataclasses.replace(REGISTRY["checkpointing"], name="empty", choices=()))
+    with pytest.raises(TypeError, match="spec must be"):
+        register({"name": "x"})
+    assert set(REGISTRY) == {"checkpointing"}  # nothing half-registered
+    with pytest.raises(TypeError):
+        REGISTRY["x"] = Spec  # read-only view
