@@ -335,9 +335,22 @@ def _tensors_of(obj: Any) -> list[torch.Tensor]:
         return [obj]
     if isinstance(obj, Mapping):
         obj = list(obj.values())
-    if hasattr(obj, "memkit_tensors"):
-        return list(obj.memkit_tensors())
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _owned_of(owned: Any) -> dict[str, list[torch.Tensor]]:
+    """Category -> tensors, from a handle (anything with ``owned()``, e.g. ``memkit.Handle``) or a mapping."""
+    if owned is None:
+        return {}
+    if hasattr(owned, "owned") and callable(owned.owned):
+        owned = owned.owned()
+    if not isinstance(owned, Mapping):
+        raise TypeError(f"owned must be a memkit.Handle or a mapping category -> tensors, got {type(owned).__name__}")
+    out = {}
+    for category, tensors in owned.items():
+        check_category(category)
+        out[category] = _tensors_of(list(tensors) if not isinstance(tensors, torch.Tensor) else tensors)
+    return out
 
 
 @contextmanager
@@ -346,7 +359,7 @@ def track(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     inputs: Any = None,
-    ema: Any = None,
+    owned: Any = None,
     record_stacks: bool = False,
     alloc_granularity: int | None = None,
     device: str | None = None,
@@ -356,11 +369,12 @@ def track(
 ) -> Iterator[Timeline]:
     """Track every storage allocated and freed inside the block; yields a live :class:`Timeline`.
 
-    Pass the objects that exist before the block (``model``, ``optimizer``, ``inputs``, ``ema``) so their
-    memory is counted in the baseline with the right category. Modules that run inside the block are
-    discovered by their forward hooks and optimizers by their step hooks, so a bare ``track()`` still
-    categorizes parameters and optimizer state, but storages it never sees (inputs not passed, tensors
-    that are never touched) are not counted.
+    Pass the objects that exist before the block (``model``, ``optimizer``, ``inputs``, and ``owned``: the
+    handle of the applied optimizations, or a mapping category -> tensors, for memory they allocated in
+    ``apply``, such as EMA shadows) so their memory is counted in the baseline with the right category.
+    Modules that run inside the block are discovered by their forward hooks and optimizers by their step
+    hooks, so a bare ``track()`` still categorizes parameters and optimizer state, but storages it never
+    sees (inputs not passed, tensors that are never touched) are not counted.
 
     Costs ~10–20 µs per op in Python, whatever the tensor sizes: noticeable on a tiny model, lost in the
     noise on a real one (see ``bench/RESULTS.md``). ``record_stacks=True`` also interns the Python stack of
@@ -392,7 +406,8 @@ def track(
         if optimizer is not None:
             tracker.register_optimizer(optimizer)
         tracker.register(_tensors_of(inputs), "input")
-        tracker.register(_tensors_of(ema), "ema")
+        for category, tensors in _owned_of(owned).items():
+            tracker.register(tensors, category)
         history = _start_cuda_history(cuda_history, max_entries)
         tracker.start()
         yield tracker.timeline
