@@ -298,3 +298,23 @@ def test_any_window_agrees_with_the_replay(window, data):
         at = data.draw(st.integers(0, len(ref.total) - 1))
         assert tl.bytes_by_category_at(at) == ref.by_category[at]
         assert sorted(a["index"] for a in tl.top_allocations(100, at=at)) == ref.alive[at]
+
+
+def test_codes_out_of_range_and_indices_out_of_bounds_are_refused():
+
+    def columns(**override):
+        cols = {name: np.zeros(2, dtype) for name, dtype in COLUMNS}
+        cols["bytes"][:] = 8
+        cols["action"][:] = [0, 1]
+        cols.update({k: np.asarray(v) for k, v in override.items()})
+        return cols
+
+    for name, bad in (("category", [0, 8]), ("phase", [5, 0]), ("action", [0, 2]), ("category", [-1, 0])):
+        with pytest.raises(ValueError, match=f"column '{name}' holds code"):
+            Timeline(columns(**{name: bad}))
+    tl = Timeline(columns())
+    for at in (-2, 2):
+        with pytest.raises(IndexError, match="at must be in"):
+            tl.top_allocations(at=at)
+        with pytest.raises(IndexError, match="index must be in"):
+            tl.bytes_by_category_at(at)

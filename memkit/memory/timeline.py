@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..units import format_bytes
-from .events import ALLOC, CATEGORIES, COLUMNS, PHASES
+from .events import ACTIONS, ALLOC, CATEGORIES, COLUMNS, PHASES
 
 
 class Timeline:
@@ -66,6 +66,11 @@ class Timeline:
             if len(col) != n:
                 raise ValueError(f"column {name!r} has {len(col)} rows, expected {n}")
             cols[name] = col
+        for name, names in (("action", ACTIONS), ("category", CATEGORIES), ("phase", PHASES)):
+            col = cols[name]
+            if len(col) and (col.min() < 0 or col.max() >= len(names)):
+                bad = int(col[(col < 0) | (col >= len(names))][0])
+                raise ValueError(f"column {name!r} holds code {bad}; codes must be 0..{len(names) - 1} ({names})")
         unknown = set(baseline) - set(CATEGORIES)
         if unknown:
             raise ValueError(f"baseline_by_category has unknown categories {sorted(unknown)}; allowed: {CATEGORIES}")
@@ -177,9 +182,9 @@ class Timeline:
 
     def bytes_by_category_at(self, index: int) -> dict[str, int]:
         """Bytes live by category after event ``index`` (-1: at the start)."""
-        if index < 0:
+        if index == -1:
             return self.baseline_by_category
-        if index >= len(self):
+        if not 0 <= index < len(self):
             raise IndexError(f"index must be in [-1, {len(self) - 1}], got {index}")
         signed, cat = self.signed_bytes[: index + 1], self._columns["category"][: index + 1]
         sums = np.bincount(cat, weights=signed, minlength=len(CATEGORIES))
@@ -211,6 +216,8 @@ class Timeline:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         at = self.peak_index if at is None else at
+        if not -1 <= at < len(self):
+            raise IndexError(f"at must be in [-1, {len(self) - 1}], got {at}")
         self._sync()
         cols = self._columns
         alive: dict[int, int] = {}
