@@ -581,6 +581,7 @@ def test_cuda_history_calls_torch_as_documented(monkeypatch):
     with record_cuda_history(max_entries=1234) as handle:
         tl = cuda_snapshot(default_category="parameter")
     assert not handle.active
+    handle.remove()  # a second remove does not stop a recording someone else started
     assert calls == [
         {"enabled": "all", "context": "all", "stacks": "python", "max_entries": 1234},
         {"enabled": None},

@@ -11,11 +11,10 @@ from typing import Any
 
 import torch
 
-from ..handle import Handle
 from .snapshot import read_snapshot
 from .timeline import Timeline
 
-__all__ = ["CudaHistoryError", "cuda_history_available", "cuda_snapshot", "record_cuda_history"]
+__all__ = ["CudaHistory", "CudaHistoryError", "cuda_history_available", "cuda_snapshot", "record_cuda_history"]
 
 
 class CudaHistoryError(RuntimeError):
@@ -25,6 +24,34 @@ class CudaHistoryError(RuntimeError):
         >>> try: memkit.memory.record_cuda_history()
         ... except memkit.memory.CudaHistoryError as e: print(e)   # says why, e.g. a CPU-only build
     """
+
+
+class CudaHistory:
+    """Stops the recording that :func:`record_cuda_history` started: ``remove()`` (idempotent), or use it as a
+    context manager. (The measurement layer keeps its own small handle rather than the optimizations' one.)
+
+    Example:
+        >>> with memkit.memory.record_cuda_history() as history:
+        ...     memkit.train_step(model, inputs)
+    """
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def remove(self) -> None:
+        """Stop recording (a second call does nothing)."""
+        if self.active:
+            self.active = False
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def __enter__(self) -> CudaHistory:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"CudaHistory(active={self.active})"
 
 
 def _cuda_history_problem() -> str | None:
@@ -50,7 +77,7 @@ def cuda_history_available() -> bool:
     return _cuda_history_problem() is None
 
 
-def record_cuda_history(max_entries: int = 100_000, *, stacks: str = "python") -> Handle:
+def record_cuda_history(max_entries: int = 100_000, *, stacks: str = "python") -> CudaHistory:
     """Start recording the CUDA caching allocator's history (every alloc and free, with Python stacks).
 
     Costs a few µs per allocation and several KB per kept entry; only the last ``max_entries`` are kept. The
@@ -70,7 +97,7 @@ def record_cuda_history(max_entries: int = 100_000, *, stacks: str = "python") -
     if problem:
         raise CudaHistoryError(f"{problem}. Use memkit.track(), which measures exact storages on any device.")
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
-    return Handle(lambda: torch.cuda.memory._record_memory_history(enabled=None), name="cuda memory history")
+    return CudaHistory()
 
 
 def cuda_snapshot(**read_kwargs: Any) -> Timeline:
