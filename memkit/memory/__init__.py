@@ -16,6 +16,7 @@ from .events import CATEGORIES, PHASES
 from .timeline import Timeline
 
 _EXPORTS = {
+    "CudaHistory": ".cuda",
     "CudaHistoryError": ".cuda",
     "cuda_history_available": ".cuda",
     "cuda_snapshot": ".cuda",
@@ -33,6 +34,7 @@ _EXPORTS = {
 
 __all__ = [
     "CATEGORIES",
+    "CudaHistory",
     "CudaHistoryError",
     "PHASES",
     "SnapshotError",
@@ -51,7 +53,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .cuda import CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
+    from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
     from .tracker import Tracker, phase, tag, track, tracking
