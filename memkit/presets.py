@@ -93,21 +93,6 @@ def _latent_frames(sizes: Mapping[str, int], vae_t: int) -> int:
     return (frames - 1) // vae_t + 1
 
 
-def _latent(sizes: Mapping[str, int], key: str, vae: int, patch: int) -> int:
-    """Latent extent of a pixel size, checked to split into whole patches."""
-    value = sizes[key]
-    if value % (vae * patch):
-        raise ValueError(f"{key}={value} must be a multiple of {vae * patch} ({vae}x VAE, patch {patch})")
-    return value // vae
-
-
-def _latent_frames(sizes: Mapping[str, int], vae_t: int) -> int:
-    frames = sizes["frames"]
-    if (frames - 1) % vae_t:
-        raise ValueError(f"frames={frames} must be {vae_t}*k+1: the video VAE keeps the first frame apart")
-    return (frames - 1) // vae_t + 1
-
-
 # fmt: off
 # The configs read as tables; the formatter would put every keyword on its own line.
 def _flux_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
