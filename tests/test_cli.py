@@ -1,4 +1,3 @@
-
 """The command line, run in-process through ``main([...])``, plus one real ``python -m memkit --help``."""
 
 import dataclasses
@@ -217,3 +216,17 @@ def test_inspect_refuses_a_crafted_snapshot_and_runs_nothing(capsys, tmp_path):
         assert code == 2 and "Traceback" not in err, name
         assert f"refused to load the global {os.mkdir.__module__}.mkdir" in err, name
     assert not marker.exists()
+
+
+def test_a_lower_bound_is_said_in_the_table_and_the_json(capsys, monkeypatch):
+    def fake_estimate(preset, **kwargs):
+        columns = {name: np.zeros(0, dtype) for name, dtype in COLUMNS}
+        meta = {"dtype": "bfloat16", "parameters": 0, "seconds": 0.0, "lower_bound_ops": ["aten.mystery.default"]}
+        return memkit.Timeline(columns, meta=meta)
+
+    monkeypatch.setattr(memkit, "estimate", fake_estimate)
+    code, out, err = _run(capsys, "estimate", PRESET)
+    assert code == 0, err
+    assert "LOWER BOUND" in out and "aten.mystery.default" in out
+    code, out, err = _run(capsys, "estimate", PRESET, "--json")
+    assert json.loads(out)["lower_bound_ops"] == ["aten.mystery.default"]

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_bytes": timeline.peak_bytes,
         "peak_by_category": timeline.peak_by_category(),
         "seconds": meta["seconds"],
+        "lower_bound_ops": list(meta.get("lower_bound_ops") or []),
     }
     out = sys.stderr if args.json else sys.stdout
     if args.html or args.png:
@@ -108,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
     rows += [(f"  {c}", f"{v / div:{num}}") for c, v in result["peak_by_category"].items() if v]
     rows.append(("estimated in", f"{meta['seconds']:.1f} s ({len(timeline):,} events)"))
     print(rows_text(rows))
+    if result["lower_bound_ops"]:
+        print(
+            "\nLOWER BOUND: these ops allocate buffers inside their kernels that memkit does not model on this "
+            f"machine's CPU path, so the true peak may be higher: {', '.join(result['lower_bound_ops'])}"
+        )
     if args.device == "cuda":
         print(
             "\nThe peak compares with torch.cuda.max_memory_allocated(); add the CUDA context (~0.3-0.5 GiB), "

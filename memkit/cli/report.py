@@ -66,6 +66,13 @@ def run(args: argparse.Namespace) -> int:
         "<h2>Comparison</h2>",
         table,
     ]
+    lower = sorted({op for r in comparison.results.values() for op in r.timeline.meta.get("lower_bound_ops") or ()})
+    if lower:
+        body.append(
+            "<p class='note'><b>Lower bound:</b> these ops allocate buffers inside their kernels that memkit does "
+            f"not model on this machine's CPU path, so the true peaks may be higher: {html.escape(', '.join(lower))}"
+            "</p>"
+        )
     for (heading, _), part in zip(figures, parts, strict=True):
         body += [f"<h2>{html.escape(heading)}</h2>", part]
     body += ["<h2>Machine</h2>", f"<table class='machine'>{machine}</table>"]
