@@ -18,7 +18,15 @@ from .memory.events import CATEGORIES, PHASES
 from .memory.timeline import Timeline
 from .units import Unit, unit_scale
 
-__all__ = ["CATEGORY_COLORS", "PHASE_COLORS", "categories_figure", "comparison_figure", "decimate", "timeline_figure"]
+__all__ = [
+    "CATEGORY_COLORS",
+    "PHASE_COLORS",
+    "categories_figure",
+    "comparison_figure",
+    "decimate",
+    "segments_figure",
+    "timeline_figure",
+]
 
 
 CATEGORY_COLORS: dict[str, str] = {
@@ -30,6 +38,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "activation": "#54A24B",
     "temporary": "#EECA3B",
     "input": "#9D755D",
+    "unknown": "#A0A0A0",
 }
 """One fixed colour per memory category, used by every memkit figure."""
 
@@ -45,6 +54,12 @@ PHASE_COLORS: dict[str, str] = {
 _VARIANT_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
 _LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": {"groupclick": "toggleitem"}, "margin": {"r": 20}}
 _MAX_PHASE_SPANS = 200  # beyond this, shading is binned: more rectangles than pixels only bloat the figure
+_STATE_COLORS = {  # the caching allocator's block states (segments_figure)
+    "active_allocated": "#4C78A8",
+    "active_pending_free": "#F58518",
+    "active_awaiting_free": "#E45756",
+    "inactive": "#D0D0D0",
+}
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -156,26 +171,35 @@ def timeline_figure(
         >>> memkit.plots.timeline_figure(tl, unit="GiB").show()
     """
     div = unit_scale(unit)
-    x, _, by_cat = _series(timeline, max_points)
-    x32 = x.astype(np.float32)  # a third smaller figure; float32 still resolves 8 µs at t = 100 s
-    fig = go.Figure()
-    for cat in _nonzero_categories(timeline):
-        color = CATEGORY_COLORS[cat]
-        style = {"stackgroup": "memory", "fillcolor": color, "line": {"width": 0.5, "color": color}}
-        fig.add_trace(_step(x32, by_cat[cat] / div, cat, unit, legendgroup="category", **style))
-    fig.add_trace(_step(x32, sum(by_cat.values()) / div, "total", unit, line={"width": 1, "color": "#333"}))
-    peak, t_peak = timeline.peak_bytes, timeline.peak_time
-    marker = {"symbol": "diamond", "size": 10, "color": "#111", "line": {"width": 1, "color": "white"}}
-    fig.add_trace(go.Scatter(x=[t_peak], y=[peak / div], name="peak", mode="markers", marker=marker, showlegend=False))
-    fig.add_annotation(
-        x=t_peak,
-        y=peak / div,
-        text=f"peak {_fmt(peak / div, unit)} ({peak:,} B)<br>at {t_peak:.4g} s",
-        arrowhead=2,
-        ax=40,
-        ay=-36,
-        bgcolor="rgba(255,255,255,0.85)",
-    )
+    events = timeline.meta.get("time_unit") == "event"
+    devices = timeline.devices
+    split = len(devices) > 1 and timeline.baseline_by_device is not None
+    panels = [timeline.on_device(d) for d in devices] if split else [timeline]
+    titles = [f"{d}: peak {_fmt(p.peak_bytes / div, unit)}" for d, p in zip(devices, panels, strict=True)]
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, subplot_titles=titles) if split else go.Figure()
+    shown: set[str] = set()
+    for row, panel in enumerate(panels, 1):
+        where = {"row": row, "col": 1} if split else {}
+        x, _, by_cat = _series(panel, max_points)
+        x32 = x.astype(np.float32)  # a third smaller figure; float32 still resolves 8 µs at t = 100 s
+        for cat in _nonzero_categories(panel):
+            color = CATEGORY_COLORS[cat]
+            style = {"stackgroup": f"memory{row}", "fillcolor": color, "line": {"width": 0.5, "color": color}}
+            legend = {"legendgroup": cat, "showlegend": cat not in shown}
+            shown.add(cat)
+            fig.add_trace(_step(x32, by_cat[cat] / div, cat, unit, **legend, **style), **where)
+        total_name = f"total {devices[row - 1]}" if split else "total"
+        total = _step(x32, sum(by_cat.values()) / div, total_name, unit, line={"width": 1, "color": "#333"})
+        fig.add_trace(total, **where)
+        peak, t_peak = panel.peak_bytes, panel.peak_time
+        marker = {"symbol": "diamond", "size": 10, "color": "#111", "line": {"width": 1, "color": "white"}}
+        dot = go.Scatter(x=[t_peak], y=[peak / div], name="peak", mode="markers", marker=marker, showlegend=False)
+        fig.add_trace(dot, **where)
+        at = f"at event {t_peak:.0f}" if events else f"at {t_peak:.4g} s"
+        note = f"peak {_fmt(peak / div, unit)} ({peak:,} B)<br>{at}"
+        fig.add_annotation(
+            x=t_peak, y=peak / div, text=note, arrowhead=2, ax=40, ay=-36, bgcolor="rgba(255,255,255,0.85)", **where
+        )
     spans = _phase_spans(timeline) if show_phases else []
     if len({name for name, _, _ in spans}) > 1:
         first = {name: i for i, (name, _, _) in reversed(list(enumerate(spans)))}
@@ -187,15 +211,81 @@ def timeline_figure(
             legend["showlegend"] = first[name] == i
             shapes.append({**rect, **legend, "x0": t0, "x1": t1, "fillcolor": PHASE_COLORS[name]})
         fig.update_layout(shapes=shapes)  # one update: add_shape per span is quadratic
+    title = title or timeline.meta.get("label") or "Memory over the step"
+    if split:
+        title += (
+            f" ({len(devices)} devices, each on its own; their sum peaked at {_fmt(timeline.peak_bytes / div, unit)})"
+        )
+    x_title = "event (the trace has no times)" if events else "time (s)"
+    fig.update_xaxes(title_text=x_title, row=len(panels) if split else None, col=1 if split else None)
+    fig.update_yaxes(title_text=f"live memory ({unit})")
+    fig.update_layout(title=title, hovermode="x unified", legend_tracegroupgap=6, **_LAYOUT)
+    if split:
+        fig.update_layout(height=max(450, 260 * len(panels)))
+    return fig
+
+
+def segments_figure(timeline: Timeline, *, unit: Unit = "MiB") -> go.Figure:
+    """What the allocator held when the snapshot was taken, from ``timeline.meta["segments"]`` (a snapshot's
+    Timeline): left, each device's reserved memory split by block state (allocated, freed but pending, cached
+    and free); right, the number of blocks by size range and state. The whole story of a file without a trace
+    (``torch.cuda.memory_snapshot()``), and its fragmentation.
+
+    Example:
+        >>> tl = memkit.Timeline.from_snapshot("segments.pickle")
+        >>> memkit.plots.segments_figure(tl, unit="GiB").show()
+    """
+    div = unit_scale(unit)
+    segments = timeline.meta.get("segments")
+    if not segments:
+        raise ValueError("timeline.meta has no 'segments': segments_figure needs a Timeline read from a snapshot")
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.45, 0.55],
+        horizontal_spacing=0.12,
+        subplot_titles=(f"reserved by block state ({unit})", "blocks by size and state (count)"),
+    )
+    devices = list(segments)
+    states = list(_STATE_COLORS) + sorted(
+        {st for info in segments.values() for st in info["blocks"]} - set(_STATE_COLORS)
+    )
+    for state in states:
+        values = [segments[d]["blocks"].get(state, {}).get("bytes", 0) / div for d in devices]
+        if any(values):
+            color = _STATE_COLORS.get(state, "#888")
+            hover = f"%{{y}} {state}: %{{x:,.3f}} {unit}<extra></extra>"
+            bar = go.Bar(x=values, y=devices, orientation="h", name=state, legendgroup=state, marker_color=color)
+            fig.add_trace(bar.update(hovertemplate=hover), 1, 1)
+    buckets: dict[str, dict[str, int]] = {}
+    for info in segments.values():
+        for bucket, by_state in info["blocks_by_size"].items():
+            for state, count in by_state.items():
+                buckets.setdefault(bucket, {}).setdefault(state, 0)
+                buckets[bucket][state] += count
+    order = sorted(buckets, key=_bucket_low)
+    for state in states:
+        counts = [buckets[b].get(state, 0) for b in order]
+        if any(counts):
+            color = _STATE_COLORS.get(state, "#888")
+            bar = go.Bar(x=order, y=counts, name=state, legendgroup=state, showlegend=False, marker_color=color)
+            fig.add_trace(bar, 1, 2)
+    reserved = sum(info["reserved_bytes"] for info in segments.values())
+    n_seg = sum(info["segments"] for info in segments.values())
     fig.update_layout(
-        title=title or timeline.meta.get("label") or "Memory over the step",
-        xaxis_title="time (s)",
-        yaxis_title=f"live memory ({unit})",
-        hovermode="x unified",
-        legend_tracegroupgap=6,
+        title=f"Allocator segments: {n_seg} segment(s), {_fmt(reserved / div, unit)} reserved",
+        barmode="stack",
         **_LAYOUT,
     )
+    fig.update_xaxes(type="category", row=1, col=2)
     return fig
+
+
+def _bucket_low(label: str) -> int:
+    if label.startswith("<"):
+        return 0
+    number, unit = label.split("-")[0], label.split()[-1]
+    return int(number) * unit_scale(unit)
 
 
 def _results(comparison: Any) -> list[tuple[str, Timeline, bool]]:

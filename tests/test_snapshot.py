@@ -92,7 +92,7 @@ def hand_snapshot():
 def test_hand_built_snapshot_counts_until_free_completed_and_reconstructs_the_baseline():
     tl = read_snapshot(hand_snapshot())
     assert tl.devices == ["cuda:0"]
-    assert tl.baseline_by_category == {**dict.fromkeys(CATEGORIES, 0), "temporary": 4000 + 300}
+    assert tl.baseline_by_category == {**dict.fromkeys(CATEGORIES, 0), "unknown": 4000 + 300}  # nothing guessed
     assert tl.column("action").tolist() == [ALLOC, FREE, ALLOC, ALLOC, FREE]
     assert tl.column("bytes").tolist() == [1000, 300, 2000, 500, 1000]
     assert tl.live_bytes.tolist() == [5300, 5000, 7000, 7500, 6500]
@@ -412,7 +412,7 @@ def test_written_blocks_are_rounded_like_the_reader_and_tracker_round():
 @st.composite
 def timelines(draw):
     """Random windows: allocations, frees in any order (keys reused after a free), pre-window storages freed."""
-    before = draw(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 7)), max_size=4))
+    before = draw(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, len(CATEGORIES) - 1)), max_size=4))
     baseline = dict.fromkeys(CATEGORIES, 0)
     for nbytes, cat in before:
         baseline[CATEGORIES[cat]] += nbytes
@@ -426,7 +426,7 @@ def timelines(draw):
             key = draw(st.sampled_from(sorted(set(range(6)) - set(live)) or [99]))
             if key in live:
                 continue
-            cat, phase = value % 8, value % 5
+            cat, phase = value % len(CATEGORIES), value % 5
             device = draw(st.integers(0, 1))
             live[key] = (value, cat, device)
             rows.append((t, ALLOC, value, cat, phase, device, value % 3 - 1, value % 4 - 1, key))

@@ -309,7 +309,7 @@ def test_codes_out_of_range_and_indices_out_of_bounds_are_refused():
         cols.update({k: np.asarray(v) for k, v in override.items()})
         return cols
 
-    for name, bad in (("category", [0, 8]), ("phase", [5, 0]), ("action", [0, 2]), ("category", [-1, 0])):
+    for name, bad in (("category", [0, len(CATEGORIES)]), ("phase", [5, 0]), ("action", [0, 2]), ("category", [-1, 0])):
         with pytest.raises(ValueError, match=f"column '{name}' holds code"):
             Timeline(columns(**{name: bad}))
     tl = Timeline(columns())

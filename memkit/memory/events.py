@@ -21,6 +21,7 @@ CATEGORIES: tuple[str, ...] = (
     "activation",
     "temporary",
     "input",
+    "unknown",  # last: codes are positions, and saved snapshots and plot colours rely on them
 )
 """Memory categories, in stacking order (bottom first)."""
 

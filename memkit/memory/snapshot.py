@@ -15,14 +15,25 @@ own code (``c10/cuda/CUDACachingAllocator.cpp``, ``torch/utils/viz/MemoryViz.js`
   allocator (the tracker's option of the same name). The allocator's own numbers are kept in
   ``timeline.meta["reserved_bytes"]`` / ``["allocated_bytes"]``, per device.
 - **Baseline.** The trace is only the last ``max_entries`` actions. Blocks allocated before it began are the
-  baseline: a free in the trace with no alloc before it at that address, plus every live block in
+  baseline, per device: a free in the trace with no alloc before it at that address, plus every live block in
   ``segments`` that no trace alloc accounts for. For a consistent snapshot the Timeline then ends exactly at
   the live bytes of ``segments``; any difference is reported in ``meta["unaccounted_bytes"]``.
-- **Categories.** Snapshots from CUDA have none: events and baseline get ``default_category``. The
-  ``category`` key that ``torch.cuda._memory_viz._profile_to_snapshot`` writes is understood (a free takes
-  the category of its alloc). memkit writes each entry's category, phase and op as a first frame
-  ``{"filename": "memkit", "line": 0, "name": "category=activation phase=forward op=aten.mm.default"}``
-  (shown on top of every stack in the viz), plus the ``category`` key that the viz colours by.
+- **Devices.** Every device with a trace entry (a ``snapshot`` marker alone counts) or a segment is one of
+  ``timeline.devices``; the devices' events share one time line, so ``peak_bytes`` is their sum at one moment
+  and ``peak_by_device()`` each GPU's own peak. Traces without ``time_us`` (torch 2.1) are ordered by event
+  index: ``meta["time_unit"] == "event"``.
+- **Categories.** Snapshots from CUDA have none, and none is guessed: events and baseline are ``"unknown"``
+  (``default_category``). The ``category`` key that ``torch.cuda._memory_viz._profile_to_snapshot`` writes
+  is understood (a free takes the category of its alloc). memkit writes each entry's category, phase and op
+  as a first frame ``{"filename": "memkit", "line": 0, "name": "category=activation phase=forward
+  op=aten.mm.default"}`` (shown on top of every stack in the viz), plus the ``category`` key that the viz
+  colours by.
+- **Phases and sites** come from the stacks (``_snapshot_frames.py``): frames that name ``backward`` or the
+  autograd engine, ``torch/optim`` or a ``_foreach_`` op, a module's ``forward``; else "other". A stack
+  without Python frames shows its nearest meaningful C++ frame, or :data:`NO_SITE`.
+- **Segments.** ``meta["segments"]`` holds, per device, the segments, the blocks by state and size range, and
+  the largest inactive block: all a file without a trace (``torch.cuda.memory_snapshot()``) has to say. Keys
+  the reader does not use (``allocator_settings``, ``external_annotations``) are kept in ``meta``.
 
 Loading is safe: the unpickler refuses every global, so a crafted pickle raises :class:`SnapshotError`
 before it can run anything.
@@ -40,28 +51,25 @@ from typing import IO, Any
 
 import numpy as np
 
+from ._snapshot_frames import NO_SITE, STACK_FRAMES, Frames
 from ._snapshot_schema import (
     ALLOC_ACTION,
     FREE_ACTIONS,
     HEADER_KEY,
     HEADER_VERSION,
-    frame_line,
     gc_paused,
-    is_marker,
-    parse_marker,
 )
 from .events import ALLOC, CATEGORIES, CATEGORY_CODE, COLUMNS, FREE, PHASE_CODE, check_category, round_alloc
 from .timeline import Timeline
 
-__all__ = ["SnapshotError", "load_snapshot", "read_snapshot"]
+__all__ = ["NO_SITE", "STACK_FRAMES", "SnapshotError", "load_snapshot", "read_snapshot"]
 
-STACK_FRAMES = 8  # innermost frames kept as a Timeline frame text, as the tracker keeps
 _ACTIONS = {ALLOC_ACTION: 0, FREE_ACTIONS[0]: 1, FREE_ACTIONS[1]: 2}
 _LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awaiting_free"))
 # torch.profiler's memory categories (``_profile_to_snapshot`` writes them) -> memkit's
 _FOREIGN_CATEGORY = {**{c: CATEGORY_CODE[c] for c in CATEGORIES}, "autograd_detail": CATEGORY_CODE["temporary"]}
-_CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh")
-_MIX = np.random.default_rng(0x6D656D6B6974).integers(1, 2**63, size=16, dtype=np.uint64) | np.uint64(1)
+_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", "inactive")
+_READ_KEYS = frozenset(("segments", "device_traces", HEADER_KEY))
 
 
 class SnapshotError(ValueError):
@@ -141,79 +149,6 @@ def load_snapshot(source: str | os.PathLike | bytes | IO[bytes] | Mapping | list
     return data if isinstance(data, dict) else dict(data)
 
 
-# ---- frames ---------------------------------------------------------------------------------------------------
-def _is_cpp(frame: Mapping) -> bool:
-    filename = str(frame.get("filename", ""))
-    return filename in ("", "??") or filename.endswith(_CPP_SUFFIXES)
-
-
-class _Frames:
-    """Decodes stacks into (category, phase, op, frame text) codes, once per distinct stack."""
-
-    def __init__(self, ops: list[str], texts: list[str]):
-        self.ops, self.texts = ops, texts
-        self._op_index = {o: i for i, o in enumerate(ops)}
-        self._text_index = {t: i for i, t in enumerate(texts)}
-
-    def codes(self, stacks: list, *, with_text: bool = True) -> np.ndarray:
-        """(n, 4) int array of category (-1: none), phase (-1), op (-1) and frame text (-1) codes.
-
-        The text is the innermost Python frames among the first ``STACK_FRAMES + 1`` (the whole stack when
-        C++ frames come first, ``stacks="all"``); ``with_text=False`` reads only memkit's marker.
-        """
-        n = len(stacks)
-        if n == 0:
-            return np.full((0, 4), -1, dtype=np.int64)
-        if None in stacks:
-            stacks = [s or () for s in stacks]
-        deep = with_text and any(isinstance(f, Mapping) and _is_cpp(f) for s in stacks[:200] for f in s)
-        cut = None if deep else (STACK_FRAMES + 1 if with_text else 1)
-        # memkit and torch's profiler conversion share one list between the entries of the same stack
-        list_ids = np.fromiter(map(id, stacks), dtype=np.uint64, count=n)
-        _, first, inverse = np.unique(list_ids, return_index=True, return_inverse=True)
-        if len(first) > n // 4:
-            # Torch shares the frame dicts instead: the ids of the frames we keep identify a stack. Hash them
-            # column by column in numpy; a Python loop per entry would cost more than the unpickling.
-            lens = np.fromiter(map(len, stacks), dtype=np.int64, count=n)
-            if cut:
-                lens = np.minimum(lens, cut)
-            key = lens.astype(np.uint64) * _MIX[0]
-            for p in range(int(lens.max())):
-                rows = np.flatnonzero(lens > p)
-                sub = stacks if len(rows) == n else list(map(stacks.__getitem__, rows.tolist()))
-                col = np.fromiter(map(id, map(itemgetter(p), sub)), dtype=np.uint64, count=len(rows))
-                col *= _MIX[(p + 1) % len(_MIX)]
-                col ^= col >> np.uint64(29)
-                key[rows] += col
-            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        table = np.array([self.decode(stacks[i][:cut], with_text) for i in first.tolist()], dtype=np.int64)
-        return table[inverse.reshape(-1)]
-
-    def decode(self, stack, with_text: bool = True) -> tuple[int, int, int, int]:
-        category = phase = op = -1
-        real = []
-        for f in stack or ():
-            if not isinstance(f, Mapping):
-                continue
-            if is_marker(f):
-                category, phase, op_name = parse_marker(f)
-                if op_name is not None:
-                    op = self._intern(op_name, self.ops, self._op_index)
-            elif with_text:
-                real.append(f)
-        top = ([f for f in real if not _is_cpp(f)] or real)[:STACK_FRAMES]
-        text = "\n".join(frame_line(f) for f in reversed(top))  # outermost first, like the tracker
-        return category, phase, op, self._intern(text, self.texts, self._text_index) if text else -1
-
-    @staticmethod
-    def _intern(item: str, items: list[str], index: dict[str, int]) -> int:
-        code = index.get(item)
-        if code is None:
-            code = index[item] = len(items)
-            items.append(item)
-        return code
-
-
 # ---- reading --------------------------------------------------------------------------------------------------
 def _bad_entry(trace: list, device: int) -> str:
     for i, e in enumerate(trace):
@@ -224,7 +159,7 @@ def _bad_entry(trace: list, device: int) -> str:
     return f"device_traces[{device}] holds a malformed entry"
 
 
-def _device_events(trace: list, device: int, frames: _Frames, free_text: bool) -> tuple[dict[str, np.ndarray], str]:
+def _device_events(trace: list, device: int, frames: Frames, free_text: bool) -> tuple[dict[str, np.ndarray], str]:
     """One device's alloc and free events as arrays, in trace order. A free keeps its stack text only when
     ``free_text`` (memkit's snapshots); in torch's it is where the tensor died, which the tracker doesn't record."""
     # C-level map/itemgetter pipelines: at 10^6 entries, a Python loop per entry would cost more than unpickling
@@ -295,7 +230,7 @@ def _pair(cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, set[tupl
 def read_snapshot(
     source: str | os.PathLike | bytes | IO[bytes] | Mapping | list,
     *,
-    default_category: str = "temporary",
+    default_category: str = "unknown",
     alloc_granularity: int | None = None,
     device_names: Sequence[str] | None = None,
 ) -> Timeline:
@@ -327,15 +262,19 @@ def _header(data: Mapping) -> dict:
     return header if isinstance(header, dict) and header.get("version") == HEADER_VERSION else {}
 
 
-def _events(traces: list, frames: _Frames, header: dict) -> tuple[dict[str, np.ndarray], dict[int, str], str]:
+def _events(traces: list, frames: Frames, header: dict) -> tuple[dict[str, np.ndarray], dict[int, str], str]:
     """Every device's events in time order (trace order when there are no times), times relative."""
     per_device, free_actions = [], {}
     for d, trace in enumerate(traces):
         if trace:
             cols, free_actions[d] = _device_events(trace, d, frames, free_text=bool(header))
             per_device.append(cols)
-    if not per_device:
-        return {name: np.zeros(0, dtype=np.float64 if name == "time" else np.int64) for name, _ in COLUMNS}, {}, "s"
+    if not sum(len(c["action"]) for c in per_device):  # no trace, or markers and segment actions only
+        return (
+            {name: np.zeros(0, dtype=np.float64 if name == "time" else np.int64) for name, _ in COLUMNS},
+            free_actions,
+            "s",
+        )
     cols = {k: np.concatenate([c[k] for c in per_device]) for k in per_device[0]}
     t = cols["time"]
     if np.isnan(t).any():
@@ -350,42 +289,83 @@ def _events(traces: list, frames: _Frames, header: dict) -> tuple[dict[str, np.n
     return cols, free_actions, "s"
 
 
-def _segments_state(data, live_from_trace, frames, default, granularity) -> tuple[np.ndarray, dict[str, dict]]:
-    """Bytes by category of the live blocks that no trace alloc explains, and per-device totals."""
-    baseline = np.zeros(len(CATEGORIES), dtype=np.int64)
-    totals: dict[str, dict[int, int]] = {k: {} for k in ("reserved", "allocated", "live", "live_before")}
+def _size_bucket(nbytes: int) -> str:
+    """The power-of-two range of a block size, as a label: "<512 B" ... "1-2 GiB"."""
+    if nbytes < 512:
+        return "<512 B"
+    low = 1 << (nbytes.bit_length() - 1)
+    unit, scale = next((u, k) for u, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)) if low >= k)
+    return f"{low // scale}-{2 * low // scale} {unit}"
 
-    def add(kind: str, device: int, nbytes: int) -> None:
-        totals[kind][device] = totals[kind].get(device, 0) + nbytes
 
-    for s, seg in enumerate(data["segments"]):
-        try:
-            d = int(seg.get("device", 0))
-            add("reserved", d, int(seg.get("total_size", 0)))
-            address = int(seg.get("address") or 0)  # blocks tile the segment; older snapshots omit their address
-            for b in seg.get("blocks", ()):
-                block_addr = int(b.get("address", address))
-                address = block_addr + int(b["size"])
-                if b.get("state") not in _LIVE_STATES:
-                    continue
-                if b["state"] == "active_allocated":
-                    add("allocated", d, int(b["size"]))
-                nbytes = int(b.get("requested_size", b["size"]))
-                nbytes = round_alloc(nbytes, granularity)
-                add("live", d, nbytes)
-                if (d, block_addr) not in live_from_trace:
-                    code = frames.decode(b.get("frames"), with_text=False)[0]
-                    baseline[code if code >= 0 else _FOREIGN_CATEGORY.get(b.get("category"), default)] += nbytes
-                    add("live_before", d, nbytes)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise SnapshotError(f"not a CUDA memory snapshot: segments[{s}] is malformed ({e!r})") from e
-    return baseline, totals
+class _Segments:
+    """What the allocator's segments say, per device: the live blocks no trace alloc explains (the baseline, by
+    category), totals (reserved, allocated, live), and the blocks by state and size."""
+
+    def __init__(self):
+        self.baseline: dict[int, np.ndarray] = {}
+        self.totals: dict[str, dict[int, int]] = {k: {} for k in ("reserved", "allocated", "live", "live_before")}
+        self.summary: dict[int, dict[str, Any]] = {}
+
+    def add(self, kind: str, device: int, nbytes: int) -> None:
+        self.totals[kind][device] = self.totals[kind].get(device, 0) + nbytes
+
+    def device(self, d: int) -> dict[str, Any]:
+        if d not in self.summary:
+            self.baseline[d] = np.zeros(len(CATEGORIES), dtype=np.int64)
+            self.summary[d] = {
+                "segments": 0,
+                "expandable_segments": 0,
+                "reserved_bytes": 0,
+                "blocks": {state: {"count": 0, "bytes": 0} for state in _STATES},
+                "largest_inactive_block": 0,
+                "blocks_by_size": {},  # size range -> state -> count
+            }
+        return self.summary[d]
+
+    def read(self, data, live_from_trace, frames, default, granularity) -> _Segments:
+        for s, seg in enumerate(data["segments"]):
+            try:
+                self._segment(seg, live_from_trace, frames, default, granularity)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise SnapshotError(f"not a CUDA memory snapshot: segments[{s}] is malformed ({e!r})") from e
+        return self
+
+    def _segment(self, seg, live_from_trace, frames, default, granularity) -> None:
+        d = int(seg.get("device", 0))
+        info = self.device(d)
+        total = int(seg.get("total_size", 0))
+        self.add("reserved", d, total)
+        info["segments"] += 1
+        info["expandable_segments"] += bool(seg.get("is_expandable"))
+        info["reserved_bytes"] += total
+        address = int(seg.get("address") or 0)  # blocks tile the segment; older snapshots omit their address
+        for b in seg.get("blocks", ()):
+            block_addr, size, state = int(b.get("address", address)), int(b["size"]), b.get("state")
+            address = block_addr + size
+            stats = info["blocks"].setdefault(str(state), {"count": 0, "bytes": 0})
+            stats["count"] += 1
+            stats["bytes"] += size
+            by_state = info["blocks_by_size"].setdefault(_size_bucket(size), {})
+            by_state[str(state)] = by_state.get(str(state), 0) + 1
+            if state not in _LIVE_STATES:
+                info["largest_inactive_block"] = max(info["largest_inactive_block"], size)
+                continue
+            if state == "active_allocated":
+                self.add("allocated", d, size)
+            nbytes = round_alloc(int(b.get("requested_size", size)), granularity)
+            self.add("live", d, nbytes)
+            if (d, block_addr) not in live_from_trace:
+                code = frames.decode(b.get("frames"), with_text=False)[0]
+                self.baseline[d][code if code >= 0 else _FOREIGN_CATEGORY.get(b.get("category"), default)] += nbytes
+                self.add("live_before", d, nbytes)
 
 
 def _to_timeline(data: Mapping, default: int, granularity: int | None, device_names) -> Timeline:
     header = _header(data)
-    frames = _Frames([], [])
-    cols, free_actions, time_unit = _events(data["device_traces"], frames, header)
+    frames = Frames([], [])
+    traces = data["device_traces"]
+    cols, free_actions, time_unit = _events(traces, frames, header)
     cols["bytes"] = round_alloc(cols["bytes"], granularity)
 
     # a free belongs to the category of its alloc; what stays unknown gets the default
@@ -396,13 +376,12 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     cat[cat < 0] = default
     cols["phase"][cols["phase"] < 0] = PHASE_CODE["other"]
 
-    # baseline: frees of blocks allocated before the trace, plus live blocks that no trace alloc explains
-    before = is_free & ~has_alloc
-    baseline, totals = _segments_state(data, live_from_trace, frames, default, granularity)
-    baseline += np.bincount(cat[before], weights=cols["bytes"][before], minlength=len(CATEGORIES)).astype(np.int64)
-
-    # devices that appear, in index order; names from the caller, memkit's header, or "cuda:N"
-    used = sorted(set(np.unique(cols["device"]).tolist()) | set(totals["reserved"]))
+    # devices: every one with a trace entry (even a marker alone) or a segment, in index order; names from the
+    # caller, memkit's header, or "cuda:N"
+    segments = _Segments().read(data, live_from_trace, frames, default, granularity)
+    used = sorted({d for d, trace in enumerate(traces) if trace} | set(segments.summary))
+    for d in used:
+        segments.device(d)
     named = header.get("devices") if isinstance(header.get("devices"), dict) else {}
     if device_names is not None:
         named = dict(enumerate(device_names))
@@ -411,14 +390,26 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     remap[used] = np.arange(len(used))
     cols["device"] = remap[cols["device"]]
 
+    # baseline, per device: live blocks that no trace alloc explains, plus frees of blocks allocated before the
+    # trace
+    before = is_free & ~has_alloc
+    k = len(CATEGORIES)
+    pre_freed = np.bincount(
+        cols["device"][before] * k + cat[before], weights=cols["bytes"][before], minlength=len(used) * k
+    )
+    pre_freed = pre_freed.astype(np.int64).reshape(len(used), k)
+    baseline = {names[d]: segments.baseline[d] + pre_freed[i] for i, d in enumerate(used)}
+
     # for a consistent snapshot, baseline + events end at what the segments hold
     signed = np.where(cols["action"] == ALLOC, cols["bytes"], -cols["bytes"])
     net = np.bincount(cols["device"], weights=signed, minlength=len(used))
     net += np.bincount(cols["device"][before], weights=cols["bytes"][before], minlength=len(used))
+    totals = segments.totals
     meta: dict[str, Any] = {"source": "snapshot", "time_unit": time_unit}
     for key, kind in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated")):
         meta[key] = {names[d]: v for d, v in totals[kind].items()}
     meta["free_action"] = {names[d]: a for d, a in free_actions.items()}
+    meta["segments"] = {names[d]: segments.summary[d] for d in used}
     unaccounted = {
         names[d]: diff
         for i, d in enumerate(used)
@@ -428,9 +419,16 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
         meta["unaccounted_bytes"] = unaccounted
     for key, value in (header.get("meta") or {}).items():
         meta.setdefault(key, value)
+    if (header.get("meta") or {}).get("time_unit") == "event":  # memkit wrote event indices as its times
+        meta["time_unit"] = "event"
+    for key, value in data.items():  # allocator_settings, external_annotations...: nothing is dropped
+        if key not in _READ_KEYS:
+            meta.setdefault(str(key), value)
     return Timeline(
         cols,
-        baseline_by_category={c: int(baseline[i]) for i, c in enumerate(CATEGORIES)},
+        baseline_by_device={
+            name: {c: int(row[i]) for i, c in enumerate(CATEGORIES) if row[i]} for name, row in baseline.items()
+        },
         devices=list(names.values()),
         ops=frames.ops,
         frames=frames.texts,

@@ -105,21 +105,30 @@ def _snapshot_of(timeline: Timeline) -> dict:
             live[key] = i
         elif live.pop(key, None) is None:
             before.append(i)
-    remainder = timeline.baseline_by_category
+    # the baseline still live at the end, per device when the timeline knows its split, else on the first device
+    if timeline.baseline_by_device is not None and timeline.devices:
+        remainder = {indices[d]: timeline.on_device(d).baseline_by_category for d in timeline.devices}
+    else:
+        first = names[c["device"][0]] if c["action"] else names[0]
+        remainder = {indices[d]: dict.fromkeys(CATEGORIES, 0) for d in names}
+        remainder[indices[first]] = timeline.baseline_by_category
     for i in before:
-        remainder[CATEGORIES[c["category"][i]]] -= c["bytes"][i]
-    short = {k: -v for k, v in remainder.items() if v < 0}
+        d = indices[names[c["device"][i]]]
+        if d not in remainder or timeline.baseline_by_device is None:
+            d = max(remainder, key=lambda k: sum(remainder[k].values()))
+        remainder[d][CATEGORIES[c["category"][i]]] -= c["bytes"][i]
+    short = {(d, k): -v for d, rem in remainder.items() for k, v in rem.items() if v < 0}
     if short:
         raise ValueError(f"timeline frees more bytes of pre-window storages than its baseline holds: {short}")
 
     traces: list[list[dict]] = [[] for _ in range(max(indices.values()) + 1)]
     spaces = {d: _Addresses(_ADDRESS_BASE + d * (1 << 40)) for d in indices.values()}
     blocks: dict[int, dict[int, dict]] = {d: {} for d in indices.values()}  # live blocks by address
-    first_device = indices[names[c["device"][0]]] if c["action"] else indices[names[0]]
-    for category, nbytes in remainder.items():  # baseline still live at the end
-        if nbytes > 0:
-            code = CATEGORY_CODE[category]
-            _add_block(blocks[first_device], spaces[first_device], nbytes, stack(code, PHASE_CODE["other"], -1, -1))
+    for d, rem in remainder.items():
+        for category, nbytes in rem.items():
+            if nbytes > 0:
+                code = CATEGORY_CODE[category]
+                _add_block(blocks[d], spaces[d], nbytes, stack(code, PHASE_CODE["other"], -1, -1))
     before_addr = {}
     for i in before:
         d = indices[names[c["device"][i]]]
@@ -150,8 +159,8 @@ def _snapshot_of(timeline: Timeline) -> dict:
     return {
         "segments": [_segment(d, spaces[d], blocks[d]) for d in sorted(spaces) if spaces[d].top > spaces[d].base],
         "device_traces": traces,
-        "allocator_settings": {},
-        "external_annotations": [],
+        "allocator_settings": timeline.meta.get("allocator_settings", {}),
+        "external_annotations": timeline.meta.get("external_annotations", []),
         HEADER_KEY: {
             "version": HEADER_VERSION,
             "devices": {indices[name]: name for name in names},

@@ -22,6 +22,11 @@ class Timeline:
     buffers and gradients, optimizer state, EMA shadows and inputs. ``peak_bytes`` is the baseline plus the
     highest point the events reach, so ``peak_bytes - baseline_bytes`` is what the window added at its worst.
 
+    On several devices ``peak_bytes`` is the devices' sum at one moment; :meth:`peak_by_device` gives each
+    device's own peak (the figure an out-of-memory error is about) and :meth:`on_device` its events alone.
+    That needs the baseline's split across devices (``baseline_by_device``: snapshots know it, and a
+    one-device timeline trivially does).
+
     Example:
         >>> with memkit.track() as tl:
         ...     memkit.train_step(model, inputs)
@@ -38,6 +43,7 @@ class Timeline:
         frames: list[str] | None = None,
         meta: Mapping[str, Any] | None = None,
         source: Callable[[Any], tuple[Any, dict, dict] | None] | None = None,
+        baseline_by_device: Mapping[str, Mapping[str, int]] | None = None,
     ):
         self._source = source
         self._version: Any = None
@@ -48,8 +54,35 @@ class Timeline:
         self.frames: list[str] = []
         self.meta: dict[str, Any] = dict(meta or {})
         self._cache: dict[str, Any] = {}
+        self._baseline_dev: dict[str, dict[str, int]] | None = None
+        if baseline_by_device is not None and baseline_by_category is None:
+            baseline_by_category = {
+                c: sum(int(split.get(c, 0)) for split in baseline_by_device.values()) for c in CATEGORIES
+            }
         if source is None:
             self._set(columns or {}, baseline_by_category or {}, devices or [], ops or [], frames or [])
+        if baseline_by_device is not None:
+            self._baseline_dev = self._check_split(baseline_by_device)
+
+    def _check_split(self, split: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+        stray = set(split) - set(self.devices)
+        if stray:
+            raise ValueError(f"baseline_by_device names devices {sorted(stray)} that are not in devices {self.devices}")
+        out = {}
+        for device in self.devices:
+            by_cat = split.get(device, {})
+            unknown = set(by_cat) - set(CATEGORIES)
+            if unknown:
+                raise ValueError(f"baseline_by_device[{device!r}] has unknown categories {sorted(unknown)}")
+            out[device] = {c: int(by_cat.get(c, 0)) for c in CATEGORIES}
+        for c in CATEGORIES:
+            total = sum(by_cat[c] for by_cat in out.values())
+            if total != self._baseline[c]:
+                raise ValueError(
+                    f"baseline_by_device sums to {total} bytes of {c!r}, "
+                    f"but baseline_by_category says {self._baseline[c]}"
+                )
+        return out
 
     def _set(self, columns, baseline, devices, ops, frames) -> None:
         n = len(next(iter(columns.values()))) if columns else 0
@@ -197,6 +230,58 @@ class Timeline:
             self._cache["peak_by_category"] = self.bytes_by_category_at(index)
         return dict(self._cache["peak_by_category"])
 
+    # ---- devices --------------------------------------------------------------------------------------------
+    def _device_split(self) -> dict[str, dict[str, int]] | None:
+        self._sync()
+        if self._baseline_dev is not None:
+            return self._baseline_dev
+        if len(self.devices) == 1:
+            return {self.devices[0]: dict(self._baseline)}
+        if not any(self._baseline.values()):
+            return {d: dict.fromkeys(CATEGORIES, 0) for d in self.devices}
+        return None
+
+    @property
+    def baseline_by_device(self) -> dict[str, int] | None:
+        """Bytes live when tracking began, per device (``devices`` order); None when several devices share a
+        baseline whose split is unknown (a tracked window on several devices)."""
+        split = self._device_split()
+        return None if split is None else {d: sum(v.values()) for d, v in split.items()}
+
+    def on_device(self, device: str) -> Timeline:
+        """This window's events on ``device`` alone, with that device's baseline: its ``peak_bytes`` is the
+        device's own peak. Event indices are the sub-timeline's; times and the op and frame tables are kept.
+
+        Example:
+            >>> tl = memkit.Timeline.from_snapshot("two_gpus.pickle")
+            >>> tl.on_device("cuda:1").top_allocations(5)
+        """
+        split = self._device_split()
+        if device not in self.devices:
+            raise KeyError(f"no device {device!r}; devices: {self.devices}")
+        if split is None:
+            raise ValueError(
+                f"this timeline's baseline ({format_bytes(self.baseline_bytes)}) spans devices {self.devices} and "
+                "its split between them is unknown, so one device's memory cannot be told apart "
+                "(give Timeline(baseline_by_device=...))"
+            )
+        cached = self._cache.setdefault("on_device", {})
+        if device not in cached:
+            mask = self._columns["device"] == self.devices.index(device)
+            cols = {name: col[mask] for name, col in self._columns.items()}
+            cols["device"] = np.zeros(int(mask.sum()), dtype=cols["device"].dtype)
+            meta = {**self.meta, "device": device}
+            cached[device] = Timeline(
+                cols, baseline_by_category=split[device], devices=[device], ops=self.ops, frames=self.frames, meta=meta
+            )
+        return cached[device]
+
+    def peak_by_device(self) -> dict[str, int]:
+        """Each device's own peak (its baseline included), in ``devices`` order. ``peak_bytes`` is instead the
+        highest sum over the devices at one moment, which no single GPU ever held. Raises ValueError when the
+        baseline spans devices and its split is unknown (see ``baseline_by_device``)."""
+        return {d: self.on_device(d).peak_bytes for d in self.devices}
+
     def phase_spans(self) -> list[tuple[str, float, float]]:
         """Contiguous runs of one phase as ``(phase, start_time, end_time)``, in order."""
         phase, time = self.column("phase"), self._columns["time"]
@@ -264,8 +349,9 @@ class Timeline:
         )
 
     def summary(self) -> dict[str, Any]:
-        """Peak, baseline, end and peak-by-category, as plain numbers."""
-        return {
+        """Peak, baseline, end and peak-by-category, as plain numbers; on several devices whose baseline
+        split is known, also ``peak_by_device`` (each device's own peak; ``peak_bytes`` is their sum)."""
+        out = {
             "events": len(self),
             "baseline_bytes": self.baseline_bytes,
             "peak_bytes": self.peak_bytes,
@@ -274,6 +360,9 @@ class Timeline:
             "peak_phase": self.peak_phase,
             "peak_by_category": self.peak_by_category(),
         }
+        if len(self.devices) > 1 and self._device_split() is not None:
+            out["peak_by_device"] = self.peak_by_device()
+        return out
 
     @classmethod
     def from_snapshot(cls, source, **kwargs) -> Timeline:
