@@ -13,24 +13,24 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import shutil
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import memkit
 
 from ..units import UNITS
-from . import estimate, inspect, report
-from ._common import (
-    DTYPES,
-    SIZE_FLAGS,
-    CLIError,
-    add_optimization_flags,
-    machine_info,
-    optimization_specs,
-    report_variants,
-)
+from ._common import DTYPE_NAMES, SIZE_FLAGS, CLIError, machine_info
+
+COMMANDS = ("estimate", "inspect", "report")
+_SUMMARY = {
+    "estimate": "estimate the peak memory of one step on fake tensors (no memory, no GPU needed)",
+    "inspect": "summarize a CUDA memory snapshot (.pickle) and its largest allocations at the peak",
+    "report": "compare the optimizations on a real small model and write one self-contained HTML report",
+}
 
 __all__ = [
     "CLIError",
@@ -59,8 +59,22 @@ def _presets_epilog() -> str:
     return "presets:\n" + "\n".join(f"  {k:<10} {p.description}" for k, p in memkit.PRESETS.items())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``memkit`` argument parser (subcommands ``estimate``, ``inspect``, ``report``)."""
+def _runner(command: str) -> Callable[[argparse.Namespace], int]:
+    """The subcommand's ``run``, imported when it runs: ``estimate`` and ``report`` need torch, ``inspect`` not."""
+
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(f"{__name__}.{command}").run(args)
+
+    return run
+
+
+def build_parser(commands: Collection[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The ``memkit`` argument parser (subcommands ``estimate``, ``inspect``, ``report``).
+
+    Only the ``commands`` given get their options (``estimate`` and ``report`` list presets and optimizations,
+    which imports torch); the others are listed with their one-line help, so ``memkit --help`` and
+    ``memkit inspect`` start without torch.
+    """
     parser = argparse.ArgumentParser(
         prog="memkit",
         description="Measure and cut the memory of diffusion transformers.",
@@ -70,10 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"memkit {memkit.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        if command in commands:
+            globals()[f"_add_{command}"](sub)
+        else:
+            sub.add_parser(command, help=_SUMMARY[command])
+    return parser
+
+
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    from ._common import add_optimization_flags, optimization_specs
 
     p = sub.add_parser(
         "estimate",
-        help="estimate the peak memory of one step on fake tensors (no memory, no GPU needed)",
+        help=_SUMMARY["estimate"],
         description=_wrap(
             "Estimate the memory of one training or inference step of a preset, at full size by default, without "
             "allocating it: the model runs on fake tensors while memkit's tracker adds up every storage. Full Flux "
@@ -102,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--inference", dest="mode", action="store_const", const="inference", help="forward only, under no_grad"
     )
     p.set_defaults(mode="training")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="parameter and input dtype")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="parameter and input dtype")
     p.add_argument(
         "--optimizer",
         choices=("adamw", "adam", "sgd", "none"),
@@ -134,11 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")
     p.add_argument("--png", metavar="FILE", help="write the memory timeline as a PNG (needs kaleido and Chromium)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (bytes, seconds) instead")
-    p.set_defaults(run=estimate.run, optimization_specs=specs)
+    p.set_defaults(run=_runner("estimate"), optimization_specs=specs)
 
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
-        help="summarize a CUDA memory snapshot (.pickle) and its largest allocations at the peak",
+        help=_SUMMARY["inspect"],
         description=_wrap(
             "Read a CUDA allocator snapshot (torch.cuda.memory._dump_snapshot(), or one written by "
             "memkit.memory.write_snapshot) safely, without running any code it may contain, and print its "
@@ -152,11 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, metavar="N", help="how many allocations at the peak to list")
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (bytes, seconds) instead")
-    p.set_defaults(run=inspect.run)
+    p.set_defaults(run=_runner("inspect"))
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    from ._common import report_variants
 
     p = sub.add_parser(
         "report",
-        help="compare the optimizations on a real small model and write one self-contained HTML report",
+        help=_SUMMARY["report"],
         description=_wrap(
             "Build a preset at a tiny or small size with random weights, run the baseline and each optimization "
             f"({', '.join(report_variants())}) on the same weights and inputs, tracked exactly, and write one HTML "
@@ -175,8 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("training", "inference"), default="training", help="step to measure")
     p.add_argument("--repeats", type=int, default=3, metavar="N", help="timed steps per variant (0: skip timing)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(run=report.run)
-    return parser
+    p.set_defaults(run=_runner("report"))
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the line: the first word that is not an option (``memkit`` itself takes none
+    with a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,16 +222,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["estimate", "flux", "--size", "tiny", "--json"])
         0
     """
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser({_command_of(argv)} & set(COMMANDS))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or argparse's own usage error (already printed)
         return e.code if isinstance(e.code, int) else 2
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe (``| head``) raises here, not at exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
     except CLIError as e:
         print(f"memkit {args.command}: error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """After the reader of our output went away: send what Python still flushes at exit to /dev/null."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured output)
+        pass

@@ -1,4 +1,8 @@
-"""What the subcommands share: errors, optimization flags (from the library's registry), formatting, figure output."""
+"""What the subcommands share: errors, optimization flags (from the library's registry), formatting, figure output.
+
+Nothing here imports torch at import time (``memkit inspect`` and ``memkit --help`` need none): the registry and
+the dtypes are resolved when ``estimate`` or ``report`` use them.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,15 @@ import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import memkit
 
-from ..handle import Optimization
-from ..optimizations import REGISTRY, Spec
+if TYPE_CHECKING:
+    from ..handle import Optimization
+    from ..optimizations import Spec
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = ("bf16", "fp16", "fp32")  # --dtype choices; DTYPES maps them to torch dtypes
 SIZE_FLAGS = {"height": "pixels", "width": "pixels", "frames": "video frames", "text_len": "text tokens"}
 CHROMIUM = "/usr/bin/chromium"
 
@@ -35,8 +38,18 @@ class CLIError(Exception):
 # optimization registered there gets its ``--<name> VALUE`` flag and its report variants with no change here.
 
 
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # torch is imported only by the commands that use it
+        import torch
+
+        return dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32), strict=True))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def optimization_specs() -> tuple[Spec, ...]:
     """The registered optimizations, in the order they compose."""
+    from ..optimizations import REGISTRY
+
     return tuple(REGISTRY.values())
 
 
@@ -101,6 +114,7 @@ def machine_info() -> dict[str, str]:
     """The machine and software a measurement ran on: CPU model, cores, RAM, versions, date."""
     import diffusers
     import psutil
+    import torch
 
     cpu = platform.processor() or platform.machine()
     try:

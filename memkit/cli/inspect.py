@@ -1,18 +1,22 @@
-"""``memkit inspect``."""
+"""``memkit inspect``: needs no torch (a snapshot is read with numpy alone), so it starts in a fraction of a second."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..units import format_bytes
 from ._common import CLIError, check_writable, rows_text, write_figure
 
+_ARGS = re.compile(r"\(.*\)( const)?$")  # a C++ frame's argument list, too long to show
+
 
 def run(args: argparse.Namespace) -> int:
-    """``memkit inspect``: summary, peak and top allocations of a snapshot."""
+    """``memkit inspect``: summary, peaks (per device), segments and top allocations of a snapshot."""
     from ..memory.snapshot import SnapshotError, read_snapshot
 
     if args.top < 1:
@@ -24,50 +28,154 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"no such file: {args.snapshot}") from None
     except (SnapshotError, IsADirectoryError, PermissionError) as e:
         raise CLIError(str(e)) from None
-    meta = timeline.meta
-    unit = "s" if meta.get("time_unit", "s") == "s" else "events"
-    top = timeline.top_allocations(args.top) if timeline.peak_index >= 0 else []
+    devices = timeline.devices
+    several = len(devices) > 1
+    parts = {d: timeline.on_device(d) for d in devices} if several else {}
     if args.html:
-        from ..plots import timeline_figure
-
-        fig = timeline_figure(timeline, title=f"memkit inspect: {Path(args.snapshot).name}")
-        write_figure(fig, args.html)
-        print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
+        _write_html(timeline, args)
     if args.json:
-        summary = timeline.summary()
-        summary.update(devices=timeline.devices, time_unit=unit, top=top)
-        for key in ("reserved_bytes", "allocated_bytes", "unaccounted_bytes"):
-            if key in meta:
-                summary[key] = meta[key]
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(_json(timeline, parts, args.top), indent=2))
         return 0
+    print(f"memkit inspect: {args.snapshot}\n")
+    print(rows_text(_rows(timeline, parts)))
+    segments = timeline.meta.get("segments") or {}
+    if segments:
+        print("\nallocator segments when the snapshot was taken:")
+        print(rows_text([row for d, info in segments.items() for row in _segment_rows(d, info, several)]))
+    if len(timeline) == 0:
+        print("\nno trace: this file holds the allocator's segments only (record one with "
+              "torch.cuda.memory._record_memory_history() before torch.cuda.memory._dump_snapshot())")  # fmt: skip
+        return 0
+    for title, tl in [(None, timeline)] if not several else [(d, parts[d]) for d in devices]:
+        top = tl.top_allocations(args.top) if tl.peak_index >= 0 else []
+        where = f" on {title}" if title else ""
+        if not top:
+            print(f"\nmemory{where} never rose above its baseline: no allocations at a peak")
+            continue
+        at = _at(tl.peak_time, timeline)
+        print(f"\ntop {len(top)} allocations live at the peak{where} ({at}; op, then the innermost frame):")
+        _print_table(top, with_device=several)
+    return 0
+
+
+def _at(t: float, timeline) -> str:
+    return f"event {t:.0f}" if timeline.meta.get("time_unit") == "event" else f"{t:.4g} s"
+
+
+def _rows(timeline, parts: dict) -> list[tuple[str, str]]:
+    meta = timeline.meta
+    events = meta.get("time_unit") == "event"
+    snapshot = meta.get("source") == "snapshot"
+    sum_note = f" (the {len(parts)} devices summed at one moment)" if parts else ""
     rows = [
-        ("events", f"{len(timeline):,}"),
+        ("events", f"{len(timeline):,}" + ("  (ordered by index: the trace has no times)" if events else "")),
         ("devices", ", ".join(timeline.devices) or "none"),
-        ("baseline", f"{format_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)"),
-        ("peak", f"{format_bytes(timeline.peak_bytes)} ({timeline.peak_bytes:,} B)"),
-        ("peak at", f"{timeline.peak_time:.4g} {unit}" + ("" if unit == "s" else " (the trace has no times)")),
+        (
+            "baseline" + (" (live before the trace)" if snapshot else ""),
+            f"{format_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)",
+        ),
+        ("peak" + sum_note, f"{format_bytes(timeline.peak_bytes)} ({timeline.peak_bytes:,} B)"),
+        ("peak at", _at(timeline.peak_time, timeline) + (f", phase {timeline.peak_phase}" if len(timeline) else "")),
     ]
     rows += [(f"  {c}", format_bytes(v)) for c, v in timeline.peak_by_category().items() if v]
+    for device, tl in parts.items():
+        rows.append(
+            (f"peak {device}", f"{format_bytes(tl.peak_bytes)} ({tl.peak_bytes:,} B) at {_at(tl.peak_time, timeline)}")
+        )
+        rows.append((f"  baseline {device}", format_bytes(tl.baseline_bytes)))
     for key, label in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated (blocks)")):
         for device, nbytes in (meta.get(key) or {}).items():
             rows.append((f"{label} {device}", format_bytes(nbytes)))
     for device, nbytes in (meta.get("unaccounted_bytes") or {}).items():
         rows.append((f"unaccounted {device}", f"{format_bytes(nbytes)} (trace and segments disagree)"))
-    print(f"memkit inspect: {args.snapshot}\n")
-    print(rows_text(rows))
-    if not top:
-        print("\nmemory never rose above the baseline: no allocations at a peak")
-        return 0
-    print(f"\ntop {len(top)} allocations live at the peak (op, then the innermost Python frame):")
-    table = []
+    if snapshot and timeline.peak_by_category().get("unknown"):
+        rows.append(("categories", "unknown: a CUDA snapshot records none, and memkit does not guess them"))
+    return rows
+
+
+def _segment_rows(device: str, info: dict[str, Any], several: bool) -> list[tuple[str, str]]:
+    blocks = info["blocks"]
+
+    def part(state: str) -> str:
+        b = blocks.get(state) or {"count": 0, "bytes": 0}
+        return f"{format_bytes(b['bytes'])} in {b['count']:,} block(s)"
+
+    expandable = f", {info['expandable_segments']} expandable" if info["expandable_segments"] else ""
+    pending = {"count": 0, "bytes": 0}
+    for state in ("active_pending_free", "active_awaiting_free"):
+        for k in pending:
+            pending[k] += (blocks.get(state) or {}).get(k, 0)
+    rows = [
+        (device, f"{info['segments']:,} segment(s){expandable}, {format_bytes(info['reserved_bytes'])} reserved"),
+        ("  allocated", part("active_allocated")),
+        ("  freed, awaiting streams", f"{format_bytes(pending['bytes'])} in {pending['count']:,} block(s)"),
+        ("  cached, free", part("inactive") + f"; largest {format_bytes(info['largest_inactive_block'])}"),
+    ]
+    if info["blocks_by_size"]:
+        by_size = sorted(info["blocks_by_size"].items(), key=lambda kv: -sum(kv[1].values()))[:4]
+        text = ", ".join(f"{bucket}: {sum(states.values()):,}" for bucket, states in by_size)
+        rows.append(("  most blocks", text))
+    return rows
+
+
+def _site(frame: str | None) -> str:
+    """The innermost line of a frame text, short: ``file.py name`` or a C++ function without its arguments."""
+    if not frame:
+        return ""
+    line = frame.splitlines()[-1]
+    path, _, func = line.partition(" ")
+    if not func:  # a name-only line
+        return line
+    if path.endswith(":0") and not path.split(":")[0].endswith(".py"):  # a native frame
+        func = _ARGS.sub("()", func)
+        return func if path.startswith("??") else f"{Path(path.rsplit(':', 1)[0]).name} {func}"
+    return f"{Path(path).name} {func}".strip()
+
+
+def _print_table(top: list[dict], *, with_device: bool) -> None:
+    rows = []
     for a in top:
-        frame = a["frame"].splitlines()[-1] if a["frame"] else ""
-        path, _, func = frame.partition(" ")
-        frame = f"{Path(path).name} {func}".strip()
-        where = "  at ".join(w for w in (a["op"], frame) if w) or "?"
-        table.append((format_bytes(a["bytes"]), a["category"], a["phase"], where))
-    widths = [max(len(r[i]) for r in table) for i in range(3)]
-    for size, category, phase, where in table:
-        print(f"  {size:>{widths[0]}}  {category:<{widths[1]}}  {phase:<{widths[2]}}  {where}")
-    return 0
+        where = "  at ".join(w for w in (a["op"], _site(a["frame"])) if w) or "?"
+        rows.append([a["device"]] * with_device + [format_bytes(a["bytes"]), a["category"], a["phase"], where])
+    size = 1 if with_device else 0  # the one right-aligned column
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        cells = [f"{c:>{w}}" if i == size else f"{c:<{w}}" for i, (c, w) in enumerate(zip(r[:-1], widths, strict=True))]
+        print("  " + "  ".join([*cells, r[-1]]))
+
+
+def _json(timeline, parts: dict, n: int) -> dict[str, Any]:
+    meta = timeline.meta
+    summary = timeline.summary()
+    unit = "event" if meta.get("time_unit") == "event" else "s"
+    top = timeline.top_allocations(n) if timeline.peak_index >= 0 else []
+    summary.update(devices=timeline.devices, time_unit=unit, top=top)
+    if parts:
+        summary["peak_bytes_sums_devices"] = True
+        summary["by_device"] = {
+            d: {
+                "baseline_bytes": tl.baseline_bytes,
+                "peak_bytes": tl.peak_bytes,
+                "peak_time": tl.peak_time,
+                "peak_by_category": tl.peak_by_category(),
+                "top": tl.top_allocations(n) if tl.peak_index >= 0 else [],
+            }
+            for d, tl in parts.items()
+        }
+    for key in ("reserved_bytes", "allocated_bytes", "unaccounted_bytes", "segments"):
+        if key in meta:
+            summary[key] = meta[key]
+    return summary
+
+
+def _write_html(timeline, args: argparse.Namespace) -> None:
+    from ..plots import segments_figure, timeline_figure
+
+    name = Path(args.snapshot).name
+    if len(timeline) == 0 and timeline.meta.get("segments"):
+        fig = segments_figure(timeline)
+        fig.update_layout(title=f"memkit inspect: {name} (no trace): {fig.layout.title.text}")
+    else:
+        fig = timeline_figure(timeline, title=f"memkit inspect: {name}")
+    write_figure(fig, args.html)
+    print(f"wrote {args.html}", file=sys.stderr if args.json else sys.stdout)
