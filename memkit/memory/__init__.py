@@ -16,6 +16,8 @@ from .events import CATEGORIES, PHASES
 from .timeline import Timeline
 
 _EXPORTS = {
+    "AllocatorWindow": ".allocator",
+    "allocator_window": ".allocator",
     "CudaHistory": ".cuda",
     "CudaHistoryError": ".cuda",
     "cuda_history_available": ".cuda",
@@ -33,6 +35,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AllocatorWindow",
     "CATEGORIES",
     "CudaHistory",
     "CudaHistoryError",
@@ -40,6 +43,7 @@ __all__ = [
     "SnapshotError",
     "Timeline",
     "Tracker",
+    "allocator_window",
     "cuda_history_available",
     "cuda_snapshot",
     "load_snapshot",
@@ -53,6 +57,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .allocator import AllocatorWindow, allocator_window
     from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
