@@ -164,6 +164,9 @@ def timeline_figure(
     thin ``total`` line; hover shows every category at that time. The first point is the baseline at t=0,
     then one point per event kept by :func:`decimate`, so a 10^6-event timeline stays a figure of < 1 MB
     that draws the exact peak; in exchange, blips shorter than a bucket may be drawn lower than they were.
+    Several devices (whose baseline split is known, as in every snapshot) get one panel each with its own
+    peak, never one stack summed across GPUs; the title gives their sum. A trace without times
+    (``meta["time_unit"] == "event"``) is drawn against the event index and labelled so.
 
     Example:
         >>> with memkit.track(model, optimizer=opt, inputs=x) as tl:
@@ -175,8 +178,11 @@ def timeline_figure(
     devices = timeline.devices
     split = len(devices) > 1 and timeline.baseline_by_device is not None
     panels = [timeline.on_device(d) for d in devices] if split else [timeline]
-    titles = [f"{d}: peak {_fmt(p.peak_bytes / div, unit)}" for d, p in zip(devices, panels, strict=True)]
-    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, subplot_titles=titles) if split else go.Figure()
+    if split:
+        titles = [f"{d}: peak {_fmt(p.peak_bytes / div, unit)}" for d, p in zip(devices, panels, strict=True)]
+        fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, subplot_titles=titles)
+    else:
+        fig = go.Figure()
     shown: set[str] = set()
     for row, panel in enumerate(panels, 1):
         where = {"row": row, "col": 1} if split else {}

@@ -230,3 +230,42 @@ def test_a_lower_bound_is_said_in_the_table_and_the_json(capsys, monkeypatch):
     assert "LOWER BOUND" in out and "aten.mystery.default" in out
     code, out, err = _run(capsys, "estimate", PRESET, "--json")
     assert json.loads(out)["lower_bound_ops"] == ["aten.mystery.default"]
+
+
+def _many_allocations_snapshot(path, n=6000):
+    trace = [{"action": "alloc", "addr": 512 * i, "size": 512, "stream": 0, "time_us": i} for i in range(n)]
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4))
+    return path
+
+
+def test_inspect_and_help_start_without_torch(snapshot, tmp_path):
+    # reading a snapshot needs numpy alone: no torch, plotly or diffusers at start-up (estimate --help still
+    # lists the registry's flags, which is where torch loads)
+    code = (
+        "import sys, contextlib, io\n"
+        "from memkit.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['inspect', {str(snapshot[0])!r}, '--top', '3']) == 0\n"
+        "    assert main(['--help']) == 0 and main(['--version']) == 0 and main(['inspect', '--help']) == 0\n"
+        "print(sorted(m for m in ('torch', 'plotly', 'diffusers', 'memkit.optimizations') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_estimate_help_still_lists_the_registrys_flags(capsys):
+    code, out, _ = _run(capsys, "estimate", "--help")
+    assert code == 0 and "--checkpointing" in out and "bf16" in out
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
+    path = _many_allocations_snapshot(tmp_path / "many.pickle")
+    cmd = [sys.executable, "-m", "memkit", "inspect", str(path), "--top", "6000"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        proc.stdout.readline()  # `| head -1`: read a line, then go away
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert code in (0, 141)  # 141 = 128 + SIGPIPE when the pipe closed before the end

@@ -199,3 +199,60 @@ def test_png_export(tracked, monkeypatch):
     monkeypatch.setenv("BROWSER_PATH", "/usr/bin/chromium")
     png = plots.timeline_figure(tracked[0]).to_image(format="png", width=600, height=300)
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_every_category_has_a_colour_and_unknown_is_last():
+    assert list(plots.CATEGORY_COLORS) == list(CATEGORIES) and CATEGORIES[-1] == "unknown"
+    assert len(set(plots.CATEGORY_COLORS.values())) == len(CATEGORIES)
+
+
+def two_devices(time_unit="s") -> Timeline:
+    columns = {
+        "time": [0.0, 1.0, 2.0, 3.0],
+        "action": [0, 0, 1, 1],
+        "bytes": [4 * MiB, 2 * MiB, 4 * MiB, 2 * MiB],
+        "category": [CATEGORIES.index("activation")] * 4,
+        "phase": [0, 0, 1, 1],
+        "device": [0, 1, 0, 1],
+        "storage": [1, 2, 1, 2],
+    }
+    split = {"cuda:0": {"parameter": 8 * MiB}, "cuda:1": {"unknown": 1 * MiB}}
+    meta = {"time_unit": time_unit}
+    return Timeline(columns, devices=["cuda:0", "cuda:1"], baseline_by_device=split, meta=meta)
+
+
+def test_several_devices_get_one_panel_each_and_the_title_says_the_sum():
+    tl = two_devices()
+    assert tl.peak_by_device() == {"cuda:0": 12 * MiB, "cuda:1": 3 * MiB} and tl.peak_bytes == 15 * MiB
+    fig = plots.timeline_figure(tl)
+    totals = {tr.name: (tr.xaxis, max(tr.y)) for tr in fig.data if tr.name.startswith("total")}
+    assert totals == {"total cuda:0": ("x", 12.0), "total cuda:1": ("x2", 3.0)}
+    groups = {tr.stackgroup for tr in fig.data if tr.stackgroup}
+    assert groups == {"memory1", "memory2"}  # never stacked across devices
+    assert sum(tr.showlegend is not False for tr in fig.data if tr.stackgroup) == 3  # one legend entry per category
+    assert "2 devices" in fig.layout.title.text and "15.00 MiB" in fig.layout.title.text
+    assert fig.layout.xaxis2.title.text == "time (s)"
+
+
+def test_an_event_index_axis_is_not_labelled_seconds():
+    fig = plots.timeline_figure(two_devices("event"))
+    assert fig.layout.xaxis2.title.text == "event (the trace has no times)"
+    peaks = [a.text for a in fig.layout.annotations if a.text.startswith("peak")]
+    assert peaks and all("at event " in t and not t.endswith(" s") for t in peaks)
+
+
+def test_a_multi_device_timeline_with_an_unknown_baseline_split_is_drawn_as_one_total():
+    columns = {k: v for k, v in two_devices().to_pandas().items() if k in ("time", "bytes")}
+    tl = Timeline(
+        {**columns, "action": [0, 0, 1, 1], "category": [5] * 4, "phase": [0] * 4, "device": [0, 1, 0, 1]}
+        | {"storage": [1, 2, 1, 2]},
+        devices=["cpu", "cuda:0"],
+        baseline_by_category={"parameter": MiB},
+    )
+    assert tl.baseline_by_device is None
+    with pytest.raises(ValueError, match="split between them is unknown"):
+        tl.peak_by_device()
+    fig = plots.timeline_figure(tl)
+    assert [tr.name for tr in fig.data if tr.name and tr.name.startswith("total")] == ["total"]
+    with pytest.raises(ValueError, match="segments"):
+        plots.segments_figure(tl)

@@ -67,22 +67,29 @@ def _rows(timeline, parts: dict) -> list[tuple[str, str]]:
     events = meta.get("time_unit") == "event"
     snapshot = meta.get("source") == "snapshot"
     sum_note = f" (the {len(parts)} devices summed at one moment)" if parts else ""
+    if parts and events:  # without times the traces are laid end to end: their sum is no moment's
+        sum_note = f" (the {len(parts)} devices' untimed traces end to end: see each device)"
     rows = [
         ("events", f"{len(timeline):,}" + ("  (ordered by index: the trace has no times)" if events else "")),
         ("devices", ", ".join(timeline.devices) or "none"),
-        (
-            "baseline" + (" (live before the trace)" if snapshot else ""),
-            f"{format_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)",
-        ),
-        ("peak" + sum_note, f"{format_bytes(timeline.peak_bytes)} ({timeline.peak_bytes:,} B)"),
-        ("peak at", _at(timeline.peak_time, timeline) + (f", phase {timeline.peak_phase}" if len(timeline) else "")),
     ]
-    rows += [(f"  {c}", format_bytes(v)) for c, v in timeline.peak_by_category().items() if v]
-    for device, tl in parts.items():
-        rows.append(
-            (f"peak {device}", f"{format_bytes(tl.peak_bytes)} ({tl.peak_bytes:,} B) at {_at(tl.peak_time, timeline)}")
-        )
-        rows.append((f"  baseline {device}", format_bytes(tl.baseline_bytes)))
+    if len(timeline) == 0:  # no trace: what was live when the snapshot was taken, and nothing about a peak
+        rows.append(("live when taken", f"{format_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)"))
+        rows += [(f"  live {d}", format_bytes(tl.baseline_bytes)) for d, tl in parts.items()]
+    else:
+        rows += [
+            (
+                "baseline" + (" (live before the trace)" if snapshot else ""),
+                f"{format_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)",
+            ),
+            ("peak" + sum_note, f"{format_bytes(timeline.peak_bytes)} ({timeline.peak_bytes:,} B)"),
+            ("peak at", f"{_at(timeline.peak_time, timeline)}, phase {timeline.peak_phase}"),
+        ]
+        rows += [(f"  {c}", format_bytes(v)) for c, v in timeline.peak_by_category().items() if v]
+        for device, tl in parts.items():
+            at = _at(tl.peak_time, timeline)
+            rows.append((f"peak {device}", f"{format_bytes(tl.peak_bytes)} ({tl.peak_bytes:,} B) at {at}"))
+            rows.append((f"  baseline {device}", format_bytes(tl.baseline_bytes)))
     for key, label in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated (blocks)")):
         for device, nbytes in (meta.get(key) or {}).items():
             rows.append((f"{label} {device}", format_bytes(nbytes)))
