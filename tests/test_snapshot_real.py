@@ -498,3 +498,42 @@ def test_a_baseline_split_must_add_up_and_name_known_devices():
         )
     with pytest.raises(KeyError, match="no device 'cuda:3'"):
         tl.on_device("cuda:3")
+
+
+def test_damaged_fixtures_read_or_raise_a_snapshot_error_never_another():
+    import copy
+    import random
+
+    g = Gpu(0)
+    g.alloc(1000, 1, frames=backward_stack())
+    bases = [three_gpus(), torch21(), {"segments": segments_only(), "device_traces": []}, snapshot_of([g])]
+    bases += [random_snapshot(3), random_snapshot(7)]
+    values = [None, "x", -1, 2**70, 1.5, [], {}, float("nan"), True]
+
+    def paths(obj, path=()):
+        yield path
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj[:6]) if isinstance(obj, list) else ()
+        for key, value in items:
+            yield from paths(value, (*path, key))
+
+    def parent_of(obj, path):  # None once an earlier change has cut the path
+        for key in path:
+            inside = key in obj if isinstance(obj, dict) else isinstance(obj, list) and key in range(len(obj))
+            obj = obj[key] if inside else None
+        return obj
+
+    rng = random.Random(0)
+    for _ in range(400):
+        data = copy.deepcopy(rng.choice(bases))
+        choices = [p for p in paths(data) if p]
+        for _ in range(rng.randint(1, 3)):
+            *head, last = rng.choice(choices)
+            parent = parent_of(data, head)
+            if isinstance(parent, dict) and rng.random() < 0.3:
+                parent.pop(last, None)
+            elif parent_of(parent, [last]) is not None or isinstance(parent, dict):
+                parent[last] = rng.choice(values)
+        try:
+            read_snapshot(data)
+        except SnapshotError:
+            pass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from itertools import repeat
 from operator import itemgetter
 
 import numpy as np
@@ -101,8 +102,8 @@ class Frames:
         n = len(stacks)
         if n == 0:
             return np.full((0, 4), -1, dtype=np.int64)
-        if None in stacks:
-            stacks = [s or () for s in stacks]
+        if not all(map(isinstance, stacks, repeat((list, tuple)))):  # None (context=None) or a malformed stack
+            stacks = [s if isinstance(s, (list, tuple)) else () for s in stacks]
         deep = any(isinstance(f, Mapping) and not is_python(f) and not is_marker(f) for s in stacks[:200] for f in s)
         cut = None if deep else STACK_FRAMES + 1
         # memkit and torch's profiler conversion share one list between the entries of the same stack

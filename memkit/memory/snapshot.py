@@ -69,6 +69,7 @@ _LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awa
 # torch.profiler's memory categories (``_profile_to_snapshot`` writes them) -> memkit's
 _FOREIGN_CATEGORY = {**{c: CATEGORY_CODE[c] for c in CATEGORIES}, "autograd_detail": CATEGORY_CODE["temporary"]}
 _STATES = ("active_allocated", "active_pending_free", "active_awaiting_free", "inactive")
+_MAX_DEVICES = 1 << 16
 _READ_KEYS = frozenset(("segments", "device_traces", HEADER_KEY))
 
 
@@ -327,12 +328,14 @@ class _Segments:
         for s, seg in enumerate(data["segments"]):
             try:
                 self._segment(seg, live_from_trace, frames, default, granularity)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
                 raise SnapshotError(f"not a CUDA memory snapshot: segments[{s}] is malformed ({e!r})") from e
         return self
 
     def _segment(self, seg, live_from_trace, frames, default, granularity) -> None:
         d = int(seg.get("device", 0))
+        if not 0 <= d < _MAX_DEVICES:
+            raise ValueError(f"device {d} is not a device index")
         info = self.device(d)
         total = int(seg.get("total_size", 0))
         self.add("reserved", d, total)
