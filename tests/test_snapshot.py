@@ -241,6 +241,11 @@ def test_a_real_cpu_profile_converted_by_torch_keeps_the_profiles_peak():
     assert tl.devices == ["cpu"] and tl.meta["time_unit"] == "event"  # the conversion writes no times
     assert tl.peak_by_category()["activation"] > 0 and tl.peak_by_category()["gradient"] > 0
     assert any("forward" in text for text in tl.frames)
+    # phases come from the Python frames the profiler names ("torch/optim/sgd.py(...): step", "...: backward")
+    allocs = tl.column("action") == ALLOC
+    pairs = zip(tl.column("phase")[allocs], tl.column("category")[allocs], strict=True)
+    seen = {(PHASES[p], CATEGORIES[c]) for p, c in pairs}
+    assert {("backward", "gradient"), ("forward", "activation")} <= seen
 
 
 # ---- writing ----------------------------------------------------------------------------------------------------

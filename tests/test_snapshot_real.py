@@ -63,6 +63,9 @@ class Gpu:
 
     def marker(self, t, action="snapshot"):
         self.entry(action, 0, 0, t)
+        if action == "oom":  # torch logs no address for an OOM, and the device's free bytes
+            del self.trace[-1]["addr"]
+            self.trace[-1].update(size=20 * GiB, device_free=512 * MiB)
 
     def segments(self):
         end = self.base + max(SEGMENT, -(-(self.top - self.base) // SEGMENT) * SEGMENT)
