@@ -540,3 +540,16 @@ def test_damaged_fixtures_read_or_raise_a_snapshot_error_never_another():
             read_snapshot(data)
         except SnapshotError:
             pass
+
+
+def test_a_free_takes_the_phase_of_its_moment_not_of_its_allocations_stack():
+    # torch logs a deferred free_completed with the stack of the allocation: that stack names forward, but the
+    # activation dies in the backward
+    g = Gpu(0)
+    forward = python_stack(("/src/model.py", "forward"), ("/src/train.py", "main"))
+    a = g.alloc(4096, 1, frames=forward)
+    g.alloc(1024, 2, frames=backward_stack())
+    g.free(a, 3, frames=forward)
+    tl = read_snapshot(snapshot_of([g]))
+    assert [PHASES[p] for p in tl.column("phase")] == ["forward", "backward", "backward"]
+    assert tl.phase_spans() == [("forward", 0.0, 1e-6), ("backward", 1e-6, 2e-6)]

@@ -96,16 +96,17 @@ class Frames:
         """(n, 4) int array of category (-1: none), phase (-1), op (-1) and frame text (-1) codes.
 
         Stacks are told apart by their first ``STACK_FRAMES + 1`` frames (all of them when native frames
-        come first, ``stacks="all"``), their depth and their outermost frame; ``with_text=False`` interns
-        no text.
+        come first, ``stacks="all"``), their depth and their outermost frame. ``with_text=False`` (frees) reads
+        memkit's marker alone: no text, and no phase from frames, since torch often logs a free with the stack
+        of its allocation.
         """
         n = len(stacks)
         if n == 0:
             return np.full((0, 4), -1, dtype=np.int64)
         if not all(map(isinstance, stacks, repeat((list, tuple)))):  # None (context=None) or a malformed stack
             stacks = [s if isinstance(s, (list, tuple)) else () for s in stacks]
-        deep = any(isinstance(f, Mapping) and not is_python(f) and not is_marker(f) for s in stacks[:200] for f in s)
-        cut = None if deep else STACK_FRAMES + 1
+        native = (isinstance(f, Mapping) and not is_python(f) and not is_marker(f) for s in stacks[:200] for f in s)
+        cut = (None if any(native) else STACK_FRAMES + 1) if with_text else 1
         # memkit and torch's profiler conversion share one list between the entries of the same stack
         list_ids = np.fromiter(map(id, stacks), dtype=np.uint64, count=n)
         _, first, inverse = np.unique(list_ids, return_index=True, return_inverse=True)
@@ -116,7 +117,7 @@ class Frames:
             lens = np.minimum(full, cut) if cut else full
             key = full.astype(np.uint64) * _MIX[0]
             columns = list(range(int(lens.max())))
-            for p in [*columns, -1]:  # -1: the outermost frame, which tells a thread's stacks apart
+            for p in [*columns, -1] if with_text else columns:  # -1: the outermost frame, telling threads apart
                 rows = np.flatnonzero(lens > p) if p >= 0 else np.flatnonzero(full > 0)
                 sub = stacks if len(rows) == n else list(map(stacks.__getitem__, rows.tolist()))
                 col = np.fromiter(map(id, map(itemgetter(p), sub)), dtype=np.uint64, count=len(rows))
@@ -139,7 +140,7 @@ class Frames:
                     op = self._intern(op_name, self.ops, self._op_index)
             else:
                 real.append(f)
-        if phase < 0:
+        if phase < 0 and with_text:
             phase = phase_of(real)
         text = site_text(real) if with_text else ""
         return category, phase, op, self._intern(text, self.texts, self._text_index) if text else -1

@@ -364,6 +364,20 @@ class _Segments:
                 self.add("live_before", d, nbytes)
 
 
+def _phase_of_frees(cols: dict[str, np.ndarray]) -> None:
+    """A free without memkit's marker takes the phase of the allocation before it on its device: the phase is a
+    moment's, and torch often logs a free with its allocation's stack, which would name the wrong one."""
+    phase, is_alloc, device = cols["phase"], cols["action"] == ALLOC, cols["device"]
+    if not (~is_alloc & (phase < 0)).any():
+        return
+    for d in np.unique(device).tolist():
+        rows = np.flatnonzero(device == d)
+        allocs = is_alloc[rows]
+        last = np.maximum.accumulate(np.where(allocs, np.arange(len(rows)), -1))
+        fill = ~allocs & (phase[rows] < 0) & (last >= 0)
+        phase[rows[fill]] = phase[rows[last[fill]]]
+
+
 def _to_timeline(data: Mapping, default: int, granularity: int | None, device_names) -> Timeline:
     header = _header(data)
     frames = Frames([], [])
@@ -377,6 +391,7 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     has_alloc = alloc_of >= 0
     cat[has_alloc] = cat[alloc_of[has_alloc]]
     cat[cat < 0] = default
+    _phase_of_frees(cols)
     cols["phase"][cols["phase"] < 0] = PHASE_CODE["other"]
 
     # devices: every one with a trace entry (even a marker alone) or a segment, in index order; names from the
