@@ -218,10 +218,11 @@ def timeline_figure(
             shapes.append({**rect, **legend, "x0": t0, "x1": t1, "fillcolor": PHASE_COLORS[name]})
         fig.update_layout(shapes=shapes)  # one update: add_shape per span is quadratic
     title = title or timeline.meta.get("label") or "Memory over the step"
-    if split:
-        title += (
-            f" ({len(devices)} devices, each on its own; their sum peaked at {_fmt(timeline.peak_bytes / div, unit)})"
-        )
+    if split and events:  # untimed traces are laid end to end: their sum is no moment's
+        title += f" ({len(devices)} devices, each on its own; their traces have no times)"
+    elif split:
+        total = _fmt(timeline.peak_bytes / div, unit)
+        title += f" ({len(devices)} devices, each on its own; their sum peaked at {total})"
     x_title = "event (the trace has no times)" if events else "time (s)"
     fig.update_xaxes(title_text=x_title, row=len(panels) if split else None, col=1 if split else None)
     fig.update_yaxes(title_text=f"live memory ({unit})")

@@ -21,7 +21,8 @@ own code (``c10/cuda/CUDACachingAllocator.cpp``, ``torch/utils/viz/MemoryViz.js`
 - **Devices.** Every device with a trace entry (a ``snapshot`` marker alone counts) or a segment is one of
   ``timeline.devices``; the devices' events share one time line, so ``peak_bytes`` is their sum at one moment
   and ``peak_by_device()`` each GPU's own peak. Traces without ``time_us`` (torch 2.1) are ordered by event
-  index: ``meta["time_unit"] == "event"``.
+  index, ``meta["time_unit"] == "event"``; several such traces are laid end to end, so only each device's
+  own peak means something.
 - **Categories.** Snapshots from CUDA have none, and none is guessed: events and baseline are ``"unknown"``
   (``default_category``). The ``category`` key that ``torch.cuda._memory_viz._profile_to_snapshot`` writes
   is understood (a free takes the category of its alloc). memkit writes each entry's category, phase and op
@@ -29,8 +30,9 @@ own code (``c10/cuda/CUDACachingAllocator.cpp``, ``torch/utils/viz/MemoryViz.js`
   op=aten.mm.default"}`` (shown on top of every stack in the viz), plus the ``category`` key that the viz
   colours by.
 - **Phases and sites** come from the stacks (``_snapshot_frames.py``): frames that name ``backward`` or the
-  autograd engine, ``torch/optim`` or a ``_foreach_`` op, a module's ``forward``; else "other". A stack
-  without Python frames shows its nearest meaningful C++ frame, or :data:`NO_SITE`.
+  autograd engine, ``torch/optim`` or a ``_foreach_`` op, a module's ``forward``; else "other". A free takes
+  the phase of the allocation before it on its device (torch often logs a free with its allocation's stack).
+  A stack without Python frames shows its nearest meaningful C++ frame, or :data:`NO_SITE`.
 - **Segments.** ``meta["segments"]`` holds, per device, the segments, the blocks by state and size range, and
   the largest inactive block: all a file without a trace (``torch.cuda.memory_snapshot()``) has to say. Keys
   the reader does not use (``allocator_settings``, ``external_annotations``) are kept in ``meta``.
