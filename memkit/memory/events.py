@@ -23,7 +23,60 @@ CATEGORIES: tuple[str, ...] = (
     "input",
     "unknown",  # last: codes are positions, and saved snapshots and plot colours rely on them
 )
-"""Memory categories, in stacking order (bottom first)."""
+"""Memory categories, in stacking order (bottom first).
+
+A storage has one category for its whole life: its final role. When the role becomes known after the
+allocation (autograd stores it in ``param.grad``, it survives in ``optimizer.state``, backward starts while it
+is alive), the allocation event is rewritten, so a stacked timeline never jumps from one category to another;
+a storage that dies before its role is known keeps the category it was born with. The phase column is
+separate: it says what was running at each event (forward, backward, optimizer, ema, other).
+
+================ ======================================================== =========================================
+category         memkit (the tracker's rule)                              torch's ``MemTracker`` (nearest; difference)
+================ ======================================================== =========================================
+parameter        the parameters of the model given to ``track()`` and of  ``Parameter``: the same bytes.
+                 every module its forward hooks see
+buffer           those modules' buffers                                   ``Buffer``: the same bytes.
+gradient         a storage that ends in ``param.grad``, from its          ``Gradient``: the same storages, but moved
+                 allocation (an out-of-place accumulation's result        from ``Temp`` only when the parameter's
+                 too); an incoming gradient added in place into           grad hook runs. At the end of backward the
+                 ``param.grad`` dies before it has a role: temporary      two agree to the byte.
+optimizer_state  what survives in ``optimizer.state`` after the step     ``Optstate``: also every storage allocated
+                 (Adam's ``exp_avg``/``exp_avg_sq``/``step``, SGD's       inside ``optimizer.step()``, the update's
+                 ``momentum_buffer``), from its allocation                scratch included. After the step the two
+                                                                          agree to the byte; during it, ``Optstate``
+                                                                          = optimizer_state + the temporaries
+                                                                          allocated in the step (kernel-internal
+                                                                          buffers aside: MemTracker cannot see them).
+ema              what ``memkit.memory.tag(..., "ema")`` names (EMA        none: ``Other`` if passed to
+                 shadows), or ``owned`` gives as "ema"                    ``track_external``, else ``Activation``
+                                                                          (or ``Optstate`` inside the step).
+activation       allocated in the forward phase (inside a module's        ``Activation``: everything allocated
+                 forward, or under ``memory.phase("forward")``, as        outside backward and outside the
+                 memkit's step computes its loss) and still alive when    optimizer step, including forward scratch
+                 backward starts; and everything recomputed inside        that dies before backward and allocations
+                 backward by activation checkpointing                     between the phases (the backward's seed
+                                                                          gradient). At the start of backward the
+                                                                          two agree to the byte when everything
+                                                                          before it ran in a module or the forward
+                                                                          phase (as in memkit's step).
+temporary        everything else allocated in the window: scratch that    ``Temp``: only what backward allocates
+                 dies within its phase (forward scratch, the optimizer's  (outside recomputation), gradients until
+                 ``sqrt``/``div`` outputs, a backward's gradients of      their hook runs.
+                 activations), an output nobody keeps, every
+                 allocation of a forward with no backward (inference),
+                 and the buffers kernels allocate internally
+input            the ``inputs`` given to ``track()``                      ``Other``: tensors passed to
+                                                                          ``track_external``.
+unknown          never from the tracker: what a CUDA snapshot read by     none.
+                 :meth:`Timeline.from_snapshot` holds (it carries no
+                 categories, and none is guessed)
+================ ======================================================== =========================================
+
+So the optimizer's scratch is the peak of ``temporary`` during the optimizer phase, and the memory a step
+keeps for backward is ``activation`` at the start of backward. ``tests/test_categories.py`` checks each rule,
+and checks the relations with ``MemTracker`` on four presets.
+"""
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "ema", "other")
 """Phases of a training step."""
