@@ -86,7 +86,7 @@ def build_parser(commands: Collection[str] = COMMANDS) -> argparse.ArgumentParse
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         if command in commands:
-            globals()[f"_add_{command}"](sub)
+            _ADD[command](sub)
         else:
             sub.add_parser(command, help=_SUMMARY[command])
     return parser
@@ -206,6 +206,9 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, metavar="N", help="timed steps per variant (0: skip timing)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=_runner("report"))
+
+
+_ADD = {"estimate": _add_estimate, "inspect": _add_inspect, "report": _add_report}
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
