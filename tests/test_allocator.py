@@ -1,6 +1,7 @@
 """memkit.memory.allocator_window: the CPU allocator's own peak and end over a window, from torch.profiler."""
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -57,3 +58,10 @@ def test_an_unknown_device_is_refused():
     with pytest.raises(ValueError, match="device must be"):
         with allocator_window(device="tpu"):
             pass
+
+
+def test_the_profiler_says_nothing_on_stderr_but_the_block_still_can(capfd):
+    with allocator_window():
+        print("from the block", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert err.strip() == "from the block"

@@ -13,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,6 +42,20 @@ class AllocatorWindow:
 
 
 @contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """Send what C++ writes to file descriptor 2 to /dev/null for the block (Python's own stderr is kept)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def allocator_window(device: str = "cpu") -> Iterator[AllocatorWindow]:
     """Measure the allocator over the ``with`` block with ``torch.profiler`` (``profile_memory=True``).
 
@@ -58,8 +74,14 @@ def allocator_window(device: str = "cpu") -> Iterator[AllocatorWindow]:
 
     window = AllocatorWindow(device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
+    prof = profile(activities=activities, profile_memory=True)
+    with _native_stderr_quiet():  # kineto prints "profiler_start" / "profiler_stop" lines from C++
+        prof.start()
+    try:
         yield window
+    finally:
+        with _native_stderr_quiet():
+            prof.stop()
     events: list[tuple[int, int]] = []
     stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     while stack:  # depth first, in recorded order
