@@ -27,7 +27,7 @@ lab: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --cov=memkit --cov-report=term-missing:skip-covered
 	MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax notebooks
 
 lint: $(STAMP)
@@ -41,6 +41,20 @@ notebooks: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# Mutation testing (mutmut): each module of memory/, handle, compare and optimizations/ mutated alone against its
+# own fast tests; per-module results and the surviving mutants in bench/MUTATION.md. Too slow for `make test` and CI
+# (tens of minutes on 2 cores). Some modules: `make mutate MODULES="events timeline"` (names: bench/mutation.py).
+.PHONY: mutate
+MODULES ?=
+MUTATION_STAMP := $(VENV)/.installed-mutation
+
+$(MUTATION_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,mutation]"
+	touch $(MUTATION_STAMP)
+
+mutate: $(MUTATION_STAMP)
+	$(BIN)/python -m bench.mutation $(MODULES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

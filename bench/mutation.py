@@ -1,0 +1,387 @@
+"""``python -m bench.mutation [MODULE ...] [--jobs N]``: mutation testing of memkit with mutmut, results in MUTATION.md.
+
+A mutant is memkit with one small change (``<`` for ``<=``, ``+ 1`` for ``- 1``, a string or a constant
+altered, a call argument dropped). A test suite that can fail kills it: some test goes red. Each module below
+is mutated alone, against only the fast test files that are about it (``MODULES``), so one module takes
+seconds to minutes instead of the whole suite per mutant.
+
+How it runs: the module's code and ``tests/`` are copied from the work tree into ``build/mutation/<module>/``
+(so nothing in the work tree is ever changed, and people editing it are not disturbed), with a small
+``[tool.mutmut]`` config; mutmut (3.x) imports torch and the tests once, forks one child per mutant and runs
+only the tests that reach the mutated function. A mutant whose tests run longer than ``timeout_multiplier``
+times their clean duration plus ``timeout_constant`` seconds is stopped and counted as a timeout. The results
+of each module replace that module's section of ``bench/MUTATION.md`` (other modules' sections stay), and the
+copy stays in ``build/mutation/<module>/`` for ``mutmut show NAME`` or ``mutmut browse`` there.
+
+``% killed`` is ``(killed + timeout) / (mutants - equivalent)``: a mutant that makes the tests hang is caught.
+An equivalent mutant changes no behaviour anyone can observe (``EQUIVALENT``, one line of reason each); it is
+listed, not counted. What mutmut does not mutate: module-level constants (``CATEGORIES``, ``UNITS``), type
+hints, docstrings; only function and method bodies.
+
+CUDA-only code (``memkit/memory/cuda.py``) runs on CPU against a stand-in for ``torch.cuda``'s private
+history API (``tests/test_cuda.py`` monkeypatches it), so its branches are mutated and checked here too.
+
+Not part of ``make test`` or CI: a full run takes tens of minutes on two cores.
+
+Example:
+    $ python -m bench.mutation                  # every module in MODULES
+    $ python -m bench.mutation units events     # two modules
+    $ python -m bench.mutation timeline --jobs 1 --max-seconds 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import log, machine, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).with_name("MUTATION.md")
+WORK = ROOT / "build" / "mutation"
+
+MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    # name: (what is mutated, the fast test files that are about it; a file not there yet is skipped)
+    "units": ("memkit/units.py", ("tests/test_units.py",)),
+    "events": ("memkit/memory/events.py", ("tests/test_events.py", "tests/test_timeline.py")),
+    "timeline": ("memkit/memory/timeline.py", ("tests/test_timeline.py", "tests/test_mutants_memory.py")),
+    "cuda": ("memkit/memory/cuda.py", ("tests/test_cuda.py",)),
+    "tracker": (
+        "memkit/memory/tracker.py",
+        ("tests/test_tracker.py", "tests/test_categories.py", "tests/test_mutants_memory.py"),
+    ),
+    "workspace": ("memkit/memory/workspace/*", ("tests/test_tracker.py", "tests/test_cpu_paths.py")),
+    "snapshot": ("memkit/memory/snapshot.py", ("tests/test_snapshot.py", "tests/test_mutants_memory.py")),
+    "snapshot_write": ("memkit/memory/snapshot_write.py", ("tests/test_snapshot.py",)),
+    "snapshot_schema": ("memkit/memory/_snapshot_schema.py", ("tests/test_snapshot.py",)),
+    "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
+    "compare": ("memkit/comparison.py", ("tests/test_compare.py", "tests/test_mutants_compare.py")),
+    "optimizations": (
+        "memkit/optimizations/*",
+        ("tests/test_optimizations.py", "tests/test_checkpointing.py"),
+    ),
+}
+"""Module name -> (the file or glob mutmut mutates, the test files run against each mutant)."""
+
+EQUIVALENT: dict[tuple[str, str], str] = {
+    # (function, the mutated line as mutmut shows it after "+", stripped): why no behaviour can change
+    **{
+        ("EventLog.columns", f"cols = list(zip(*self.rows, {arg}))"): "differs only for rows of mixed widths, "
+        "which the tracker never writes (its rows are fixed 9-tuples); a short row fails either way (IndexError)"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    (
+        "record_cuda_history",
+        'torch.cuda.memory._record_memory_history(context="all", stacks=stacks, max_entries=max_entries)',
+    ): "torch's own default for enabled is 'all'",
+    ("Timeline.__init__", 'self._version: Any = ""'): "a source compares versions for equality and never returns "
+    "'' or None, so the first look gets everything either way",
+    **{
+        ("Timeline.__init__", f"self.{name}: {hint} = None"): "set by _set before any read: at once without a "
+        "source; with one, every reader calls _sync first and the first look always returns data"
+        for name, hint in (("_columns", "dict[str, np.ndarray]"), ("_baseline", "dict[str, int]"))
+    },
+    ("Timeline.__init__", "self._cache: dict[str, Any] = None"): "set by _set before any read (see _columns)",
+    ("Timeline._sync", "update = self._source(None)"): "asking with None always gets a full update: the same "
+    "data, only rebuilt at every look",
+    **{
+        (function, f'if "{key}" not in self._cache:'): "a cache miss every time: the same value, recomputed"
+        for function, keys in (
+            ("Timeline.live_by_category", ("XXby_catXX", "BY_CAT")),
+            ("Timeline.peak_by_category", ("XXpeak_by_categoryXX", "PEAK_BY_CATEGORY")),
+        )
+        for key in keys
+    },
+    **{
+        ("Timeline.live_by_category", f"out[name] = self._baseline[name] + np.cumsum(mine, {arg})"): "the "
+        "summands are already int64 (signed copies of the int64 bytes column), so the sums are int64 either way"
+        for arg in ("dtype=None", "")
+    },
+    **{
+        ("Timeline.phase_spans", f"for s, e in zip(starts, ends, {arg}):"): "starts and ends have the same "
+        "length by construction"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    **{
+        ("Timeline.to_pandas", line): "pandas stores a numpy str array and an object array of str as the same "
+        "str column"
+        for line in (
+            'ops = np.array(self.ops + [""], dtype=None)',
+            'ops = np.array(self.ops + [""], )',
+            '"device": np.array(self.devices or ["?"], dtype=None)[np.clip(c["device"], 0, None)],',
+            '"device": np.array(self.devices or ["?"], )[np.clip(c["device"], 0, None)],',
+        )
+    },
+    **{
+        ("Timeline.on_device", f"cached = self._cache.setdefault({key}, {{}})"): "the sub-timelines are cached "
+        "under another key of the same cache: the same lookups"
+        for key in ("None", '"XXon_deviceXX"', '"ON_DEVICE"')
+    },
+    **{
+        ("Timeline.on_device", f'cols["device"] = np.zeros(int(mask.sum()), {arg})'): "Timeline() casts every "
+        "column to its schema dtype, so float zeros become int16 zeros"
+        for arg in ("dtype=None", "")
+    },
+    (
+        "Timeline.to_pandas",
+        '"device": np.array(self.devices or ["?"], dtype=object)[np.clip(c["device"], None, None)],',
+    ): "device codes are interner indices, never negative: clipping at 0 changes none",
+}
+"""Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
+line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching
+simply lets the mutant count as a survivor again."""
+
+KILLED = {"killed", "segfault", "caught by type check"}
+TIMEOUT = {"timeout"}
+NOT_RUN = {"not checked", "check was interrupted by user", "skipped"}
+
+
+@dataclass
+class Result:
+    """One module's run."""
+
+    name: str
+    target: str
+    tests: list[str]
+    status: dict[str, str] = field(default_factory=dict)  # mutant name -> mutmut status
+    diffs: dict[str, str] = field(default_factory=dict)  # mutant name -> diff, for those not killed
+    equivalent: dict[str, str] = field(default_factory=dict)  # mutant name -> reason
+    seconds: float = 0.0
+    error: str | None = None
+
+    def count(self, statuses: set[str]) -> int:
+        return sum(s in statuses for s in self.status.values())
+
+    def row(self) -> dict:
+        killed, timeout = self.count(KILLED), self.count(TIMEOUT)
+        not_run = self.count(NOT_RUN)
+        equivalent = len(self.equivalent)
+        survived = len(self.status) - killed - timeout - not_run - equivalent
+        judged = len(self.status) - not_run - equivalent
+        return {
+            "module": f"`{self.target}`",
+            "mutants": len(self.status),
+            "killed": killed,
+            "timeout": timeout,
+            "survived": survived,
+            "equivalent": equivalent,
+            "not run": not_run,
+            "% killed": f"{100 * (killed + timeout) / judged:.1f}" if judged else "-",
+        }
+
+
+def _function(mutant: str) -> str:
+    """``memkit.memory.timeline.xǁTimelineǁpeak_index__mutmut_3`` -> ``Timeline.peak_index``."""
+    mangled = mutant.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[-1]
+    if mangled.startswith("xǁ"):
+        return mangled[2:].replace("ǁ", ".")
+    return mangled[2:] if mangled.startswith("x_") else mangled
+
+
+def _added_line(diff: str) -> str:
+    added = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    return " / ".join(added)
+
+
+def _mutmut(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=cwd, env=env, text=True, **kwargs)
+
+
+def _prepare(work: Path, target: str, tests: list[str], multiplier: float, constant: float) -> None:
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache")
+    shutil.copytree(ROOT / "memkit", work / "memkit", ignore=ignore)
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=ignore)
+    config = {
+        "source_paths": ["memkit"],
+        "only_mutate": [target],
+        "pytest_add_cli_args_test_selection": tests,
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"],
+        "timeout_multiplier": multiplier,
+        "timeout_constant": constant,
+    }
+    lines = ["[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
+    lines += ["", "[tool.pytest.ini_options]", 'testpaths = ["tests"]', ""]
+    (work / "pyproject.toml").write_text("\n".join(lines), encoding="utf-8")
+
+
+def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_seconds: float | None) -> Result:
+    """Mutate one module of ``MODULES`` against its test files; the mutants' statuses and the survivors' diffs."""
+    target, wanted = MODULES[name]
+    tests = [t for t in wanted if (ROOT / t).is_file()]
+    result = Result(name=name, target=target, tests=tests)
+    if not tests:
+        result.error = f"none of its test files exist: {', '.join(wanted)}"
+        return result
+    work = WORK / name
+    _prepare(work, target, tests, multiplier, constant)
+    t0 = time.perf_counter()
+    with open(work / "mutmut.log", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
+            cwd=work,
+            env=dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=max_seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            result.error = f"stopped after --max-seconds {max_seconds:.0f}; the mutants not reached are 'not run'"
+    result.seconds = time.perf_counter() - t0
+    listing = _mutmut(["results", "--all", "true"], work, capture_output=True)
+    for line in listing.stdout.splitlines():
+        mutant, sep, status = line.strip().rpartition(": ")
+        if sep and "__mutmut_" in mutant:
+            result.status[mutant] = status
+    log_text = (work / "mutmut.log").read_text(errors="replace")
+    if "could not find any test case for any mutant" in log_text:  # mutmut stops before running any
+        result.status = dict.fromkeys(result.status, "no tests")
+        result.error = "no selected test reaches any mutated function"
+    if not result.status:
+        tail = log_text[-3000:]
+        result.error = (result.error or "mutmut produced no mutants") + "\n" + re.sub(r"[^\n]*\r", "", tail)
+        return result
+    for mutant, status in result.status.items():
+        if status in KILLED or status in NOT_RUN:
+            continue
+        diff = _mutmut(["show", mutant], work, capture_output=True).stdout
+        diff = "\n".join(ln for ln in diff.splitlines() if not ln.startswith("# "))
+        reason = EQUIVALENT.get((_function(mutant), _added_line(diff)))
+        if reason and status not in TIMEOUT:
+            result.equivalent[mutant] = reason
+        else:
+            result.diffs[mutant] = diff.strip()
+    return result
+
+
+# ---- MUTATION.md ---------------------------------------------------------------------------------------------
+
+
+def _render(result: Result, info: dict[str, str], commit: str) -> str:
+    row = result.row()
+    parts = [f"<!-- mutation:{result.name} {json.dumps(row)} -->", f"## {result.target}", ""]
+    status = f"took {result.seconds:.0f} s" + (" (stopped early)" if result.error else "")
+    parts += [
+        f"_`python -m bench.mutation {result.name}`, run {info['date']}, {status}; commit {commit}; "
+        f"torch {info['torch']}, {info['cpu']}, {info['cores']}, load {info['load average (1, 5, 15 min)']}._",
+        "",
+        "Tests run against each mutant: " + ", ".join(f"`{t}`" for t in result.tests) + ".",
+        "",
+        markdown_table([row]),
+        "",
+    ]
+    if result.error:
+        parts += ["```", result.error.strip(), "```", ""]
+    if result.diffs:
+        parts += [f"**Not killed ({len(result.diffs)})**", ""]
+        for mutant, diff in result.diffs.items():
+            parts += [f"`{mutant}` ({result.status[mutant]}):", "", "```diff", diff, "```", ""]
+    if result.equivalent:
+        parts += [f"**Equivalent ({len(result.equivalent)})**: no observable behaviour changes", ""]
+        parts += [f"- `{m}`: {reason}" for m, reason in result.equivalent.items()]
+        parts.append("")
+    parts.append(f"<!-- /mutation:{result.name} -->")
+    return "\n".join(parts)
+
+
+def _old_sections(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    text = path.read_text(encoding="utf-8")
+    return {m[1]: m[0] for m in re.finditer(r"<!-- mutation:(\w+) .*?<!-- /mutation:\1 -->", text, flags=re.S)}
+
+
+def write_results(results: list[Result], info: dict[str, str], commit: str, path: Path = RESULTS) -> None:
+    """Write ``path``: a summary table of every module run so far, then one section per module (this run's
+    modules replace their old sections; the others stay as they were, with their own dates)."""
+    blocks = _old_sections(path)
+    for result in results:
+        blocks[result.name] = _render(result, info, commit)
+    order = [n for n in MODULES if n in blocks] + [n for n in blocks if n not in MODULES]
+    rows = []
+    for name in order:
+        head = re.match(r"<!-- mutation:\w+ (\{.*?\}) -->", blocks[name])
+        date = re.search(r"run (\d{4}-\d\d-\d\d \d\d:\d\d \w+)", blocks[name])
+        rows.append(json.loads(head[1]) | {"run": date[1] if date else "?"})
+    never = [f"`{MODULES[n][0]}`" for n in MODULES if n not in blocks]
+    text = [
+        "# memkit mutation testing",
+        "",
+        "Written by `python -m bench.mutation` (`make mutate`; see `bench/mutation.py` for how it runs and which "
+        "tests each module is checked against). Not run by `make test` or CI. `% killed` = (killed + timeout) / "
+        "(mutants - equivalent); the target is at least 90% for `memory/`, `handle` and `compare`. Each section "
+        "lists the mutants its tests did not kill, as diffs, and the equivalent ones with the reason.",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    if never:
+        text += ["Not run yet: " + ", ".join(never) + ".", ""]
+    path.write_text("\n".join(text) + "\n" + "\n\n".join(blocks[n] for n in order) + "\n", encoding="utf-8")
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    sha = git("rev-parse", "--short", "HEAD") or "?"
+    dirty = git("status", "--porcelain", "--", "memkit", "tests")
+    return f"{sha}" + (" + uncommitted changes to memkit/ or tests/" if dirty else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.mutation",
+        description="Mutation testing of memkit (mutmut), one module at a time; writes bench/MUTATION.md.",
+    )
+    parser.add_argument("names", nargs="*", metavar="MODULE", help=f"modules: {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (default: cores)")
+    parser.add_argument("--timeout-multiplier", type=float, default=10.0, help="per-mutant timeout, x clean time")
+    parser.add_argument("--timeout-constant", type=float, default=10.0, help="plus this many seconds per mutant")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop one module's run after this long")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown file (default: {RESULTS})")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in MODULES]
+    if unknown:
+        parser.error(f"unknown module(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
+    info, commit = machine(), _commit()
+    results = []
+    for i, name in enumerate(args.names or MODULES, 1):
+        log(f"[{i}/{len(args.names or MODULES)}] {name}: {MODULES[name][0]}")
+        info["date"] = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        result = run_module(
+            name,
+            jobs=args.jobs,
+            multiplier=args.timeout_multiplier,
+            constant=args.timeout_constant,
+            max_seconds=args.max_seconds,
+        )
+        row = result.row()
+        log(f"{name}: {row['mutants']} mutants, {row['% killed']}% killed in {result.seconds:.0f} s")
+        if result.error:
+            log(f"{name}: {result.error.splitlines()[0]}")
+        results.append(result)
+        write_results(results, info, commit, args.out)  # after each module, so a later crash keeps it
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
