@@ -7,16 +7,21 @@ seconds to minutes instead of the whole suite per mutant.
 
 How it runs: the module's code and ``tests/`` are copied from the work tree into ``build/mutation/<module>/``
 (so nothing in the work tree is ever changed, and people editing it are not disturbed), with a small
-``[tool.mutmut]`` config; mutmut (3.x) imports torch and the tests once, forks one child per mutant and runs
-only the tests that reach the mutated function. A mutant whose tests run longer than ``timeout_multiplier``
-times their clean duration plus ``timeout_constant`` seconds is stopped and counted as a timeout. The results
-of each module replace that module's section of ``bench/MUTATION.md`` (other modules' sections stay), and the
-copy stays in ``build/mutation/<module>/`` for ``mutmut show NAME`` or ``mutmut browse`` there.
+``[tool.mutmut]`` config; mutmut (3.x) imports torch and the tests once in a fork server, forks one child per
+mutant and runs only the tests that reach the mutated function. A mutant whose tests run longer than
+``(clean duration + timeout_constant) x timeout_multiplier`` seconds (defaults 5 s and 3) is stopped and
+counted as a timeout. The results of each module replace that module's section of ``bench/MUTATION.md``
+(other modules' sections stay), and the copy stays in ``build/mutation/<module>/`` for ``mutmut show NAME``
+or ``mutmut browse`` there.
 
 ``% killed`` is ``(killed + timeout) / (mutants - equivalent)``: a mutant that makes the tests hang is caught.
 An equivalent mutant changes no behaviour anyone can observe (``EQUIVALENT``, one line of reason each); it is
 listed, not counted. What mutmut does not mutate: module-level constants (``CATEGORIES``, ``UNITS``), type
-hints, docstrings; only function and method bodies.
+hints, docstrings, and decorated functions (``@property``, ``@contextlib.contextmanager``: ``track()``,
+``allocator_window()``, ``Timeline.peak_bytes``...), which each module's section lists as "not mutated";
+only the bodies of plain functions and methods (and static and class methods) are.
+
+Not in ``MODULES``: ``memkit/memory/__init__.py`` (lazy re-exports, no logic of its own).
 
 CUDA-only code (``memkit/memory/cuda.py``) runs on CPU against a stand-in for ``torch.cuda``'s private
 history API (``tests/test_cuda.py`` monkeypatches it), so its branches are mutated and checked here too.
@@ -32,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -56,14 +62,19 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "events": ("memkit/memory/events.py", ("tests/test_events.py", "tests/test_timeline.py")),
     "timeline": ("memkit/memory/timeline.py", ("tests/test_timeline.py", "tests/test_mutants_memory.py")),
     "cuda": ("memkit/memory/cuda.py", ("tests/test_cuda.py",)),
+    "allocator": ("memkit/memory/allocator.py", ("tests/test_allocator.py",)),
     "tracker": (
         "memkit/memory/tracker.py",
         ("tests/test_tracker.py", "tests/test_categories.py", "tests/test_mutants_memory.py"),
     ),
     "workspace": ("memkit/memory/workspace/*", ("tests/test_tracker.py", "tests/test_cpu_paths.py")),
-    "snapshot": ("memkit/memory/snapshot.py", ("tests/test_snapshot.py", "tests/test_mutants_memory.py")),
-    "snapshot_write": ("memkit/memory/snapshot_write.py", ("tests/test_snapshot.py",)),
-    "snapshot_schema": ("memkit/memory/_snapshot_schema.py", ("tests/test_snapshot.py",)),
+    "snapshot": (
+        "memkit/memory/snapshot.py",
+        ("tests/test_snapshot.py", "tests/test_snapshot_real.py", "tests/test_mutants_memory.py"),
+    ),
+    "snapshot_frames": ("memkit/memory/_snapshot_frames.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
+    "snapshot_schema": ("memkit/memory/_snapshot_schema.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
+    "snapshot_write": ("memkit/memory/snapshot_write.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
     "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
     "compare": ("memkit/comparison.py", ("tests/test_compare.py", "tests/test_mutants_compare.py")),
     "optimizations": (
@@ -155,6 +166,7 @@ class Result:
     tests: list[str]
     status: dict[str, str] = field(default_factory=dict)  # mutant name -> mutmut status
     diffs: dict[str, str] = field(default_factory=dict)  # mutant name -> diff, for those not killed
+    skipped: list[str] = field(default_factory=list)  # decorated functions, which mutmut leaves alone
     equivalent: dict[str, str] = field(default_factory=dict)  # mutant name -> reason
     seconds: float = 0.0
     error: str | None = None
@@ -176,6 +188,7 @@ class Result:
             "survived": survived,
             "equivalent": equivalent,
             "not run": not_run,
+            "unmutated functions": len(self.skipped),
             "% killed": f"{100 * (killed + timeout) / judged:.1f}" if judged else "-",
         }
 
@@ -191,6 +204,25 @@ def _function(mutant: str) -> str:
 def _added_line(diff: str) -> str:
     added = [ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     return " / ".join(added)
+
+
+def _decorated(target: str) -> list[str]:
+    """Functions of ``target`` that mutmut 3 does not mutate: those with a decorator other than one lone
+    ``@staticmethod`` or ``@classmethod`` (``@property``, ``@contextlib.contextmanager``...)."""
+    out = []
+    for path in sorted(ROOT.glob(target)):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.decorator_list:
+                continue
+            decorators = [ast.unparse(d) for d in node.decorator_list]
+            if decorators in (["staticmethod"], ["classmethod"]):
+                continue
+            owner = parents.get(node)
+            name = f"{owner.name}.{node.name}" if isinstance(owner, ast.ClassDef) else node.name
+            out.append(f"`{name}` ({path.relative_to(ROOT)}:{node.lineno}, @{', @'.join(decorators)})")
+    return out
 
 
 def _mutmut(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
@@ -211,6 +243,9 @@ def _prepare(work: Path, target: str, tests: list[str], multiplier: float, const
         "pytest_add_cli_args_test_selection": tests,
         "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"],
         "timeout_multiplier": multiplier,
+        # torch is not fork-safe once its thread pool has run: a mutant forked from the process that ran the
+        # tests can hang. A fork server that only imported the tests forks cleanly.
+        "process_isolation": "forkserver",
         "timeout_constant": constant,
     }
     lines = ["[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in config.items()]
@@ -222,7 +257,7 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
     """Mutate one module of ``MODULES`` against its test files; the mutants' statuses and the survivors' diffs."""
     target, wanted = MODULES[name]
     tests = [t for t in wanted if (ROOT / t).is_file()]
-    result = Result(name=name, target=target, tests=tests)
+    result = Result(name=name, target=target, tests=tests, skipped=_decorated(target))
     if not tests:
         result.error = f"none of its test files exist: {', '.join(wanted)}"
         return result
@@ -251,13 +286,16 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
         if sep and "__mutmut_" in mutant:
             result.status[mutant] = status
     log_text = (work / "mutmut.log").read_text(errors="replace")
-    if "could not find any test case for any mutant" in log_text:  # mutmut stops before running any
-        result.status = dict.fromkeys(result.status, "no tests")
-        result.error = "no selected test reaches any mutated function"
+    if not result.status and result.skipped:
+        result.error = "no mutants: every function here is decorated (see 'Not mutated')"
+        return result
     if not result.status:
         tail = log_text[-3000:]
         result.error = (result.error or "mutmut produced no mutants") + "\n" + re.sub(r"[^\n]*\r", "", tail)
         return result
+    if "could not find any test case for any mutant" in log_text:  # mutmut stops before running any
+        result.status = dict.fromkeys(result.status, "no tests")
+        result.error = "no selected test reaches any mutated function"
     for mutant, status in result.status.items():
         if status in KILLED or status in NOT_RUN:
             continue
@@ -293,6 +331,10 @@ def _render(result: Result, info: dict[str, str], commit: str) -> str:
         parts += [f"**Not killed ({len(result.diffs)})**", ""]
         for mutant, diff in result.diffs.items():
             parts += [f"`{mutant}` ({result.status[mutant]}):", "", "```diff", diff, "```", ""]
+    if result.skipped:
+        parts += [f"**Not mutated ({len(result.skipped)})**: mutmut 3 leaves decorated functions alone", ""]
+        parts += [f"- {s}" for s in result.skipped]
+        parts.append("")
     if result.equivalent:
         parts += [f"**Equivalent ({len(result.equivalent)})**: no observable behaviour changes", ""]
         parts += [f"- `{m}`: {reason}" for m, reason in result.equivalent.items()]
@@ -353,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("names", nargs="*", metavar="MODULE", help=f"modules: {', '.join(MODULES)} (default: all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once (default: cores)")
-    parser.add_argument("--timeout-multiplier", type=float, default=10.0, help="per-mutant timeout, x clean time")
-    parser.add_argument("--timeout-constant", type=float, default=10.0, help="plus this many seconds per mutant")
+    parser.add_argument("--timeout-multiplier", type=float, default=3.0, help="see the per-mutant timeout above")
+    parser.add_argument("--timeout-constant", type=float, default=5.0, help="see the per-mutant timeout above")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop one module's run after this long")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown file (default: {RESULTS})")
     args = parser.parse_args(argv)
