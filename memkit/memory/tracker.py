@@ -97,6 +97,7 @@ class Tracker:
         self._seen_modules: set[int] = set()
         self._handles: list[Any] = []
         self._ops: dict[int, tuple] = {}
+        self._lower_bound: set[str] = set()  # ops that ran a kernel path whose internal buffers are not modelled
         self._devices: dict[torch.device | None, int] = {}
         self._t0 = time.perf_counter()
         self._closed = False
@@ -126,9 +127,18 @@ class Tracker:
         if info is None:
             # lift_fresh returns the tensor that torch.tensor(data) just built outside dispatch: a new storage.
             aliasing = func not in _FRESH and any(r.alias_info is not None for r in func._schema.returns)
-            info = (aliasing, self.log.ops(str(func)), workspace.workspace_fn(func, self.device), func)
+            fn = workspace.workspace_fn(func, self.device)
+            partial_fn = workspace.lower_bound_fn(func, self.device)
+            if partial_fn is not None:
+                fn = partial(self._flag_lower_bound, str(func.overloadpacket), partial_fn, fn)
+            info = (aliasing, self.log.ops(str(func)), fn, func)
             self._ops[id(func)] = info
         return info
+
+    def _flag_lower_bound(self, name: str, unmodelled, fn, args, kwargs, out) -> int:
+        if unmodelled(args):
+            self._lower_bound.add(name)
+        return fn(args, kwargs, out) if fn is not None else 0
 
     def _record_outputs(self, func, args, kwargs, out, phase: int) -> None:
         aliasing, op, workspace_fn, _ = self._op_info(func)
@@ -308,6 +318,7 @@ class Tracker:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self.timeline.meta["lower_bound_ops"] = sorted(self._lower_bound)
             self.timeline._freeze()
             self._closed = True
             self._live.clear()  # drops the weakrefs, so no callback runs for storages that die later

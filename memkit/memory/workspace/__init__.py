@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention
+from . import attention, cpu_path
 
 aten = torch.ops.aten
 
@@ -69,3 +69,20 @@ def workspace_fn(func, device: str | None = None) -> WorkspaceFn | None:
     if kernel is None:
         return lambda args, kwargs, out: _wrapped_scalars(slots, args)
     return lambda args, kwargs, out: _wrapped_scalars(slots, args) + kernel(args, kwargs, out)
+
+
+def lower_bound_fn(func, device: str | None = None) -> Callable[[tuple], bool] | None:
+    """A predicate ``fn(args) -> bool``, True when this call of ``func`` runs a kernel path whose internal
+    buffers are not modelled (the tracked figure is then a lower bound); None for ops modelled on every path.
+    """
+    if device is not None and not device.startswith("cpu"):
+        return None
+    name = func._schema.name.split("::")[-1]
+    if name not in cpu_path.MATMUL_OPS and name not in cpu_path.ATTENTION_OPS:
+        return None
+
+    def unmodelled(args) -> bool:
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return t is not None and t.device.type == "cpu" and not cpu_path.modelled(name, t.dtype)
+
+    return unmodelled
