@@ -73,7 +73,10 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("tests/test_snapshot.py", "tests/test_snapshot_real.py", "tests/test_mutants_memory.py"),
     ),
     "snapshot_frames": ("memkit/memory/_snapshot_frames.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
-    "snapshot_schema": ("memkit/memory/_snapshot_schema.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
+    "snapshot_schema": (
+        "memkit/memory/_snapshot_schema.py",
+        ("tests/test_snapshot_schema.py", "tests/test_snapshot.py", "tests/test_snapshot_real.py"),
+    ),
     "snapshot_write": ("memkit/memory/snapshot_write.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
     "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
     "compare": ("memkit/comparison.py", ("tests/test_compare.py", "tests/test_mutants_compare.py")),
@@ -131,6 +134,20 @@ EQUIVALENT: dict[tuple[str, str], str] = {
             'ops = np.array(self.ops + [""], )',
             '"device": np.array(self.devices or ["?"], dtype=None)[np.clip(c["device"], 0, None)],',
             '"device": np.array(self.devices or ["?"], )[np.clip(c["device"], 0, None)],',
+        )
+    },
+    **{
+        ("parse_marker", f'fields = dict(p.split("=", 1) for p in str(frame.get("name", {d})).split() if "=" in p)'): (
+            "a frame without a name has no key=value words either way ('None' and 'XXXX' hold no '=')"
+        )
+        for d in ("None", "", '"XXXX"')
+    },
+    **{
+        ("parse_marker", line.format(d)): "a missing key looks up a name that is no category or phase either way: -1"
+        for d in ("None", "", '"XXXX"')
+        for line in (
+            'category = CATEGORY_CODE.get(fields.get("category", {}), -1)',
+            'return category, PHASE_CODE.get(fields.get("phase", {}), -1), fields.get("op")',
         )
     },
     **{
