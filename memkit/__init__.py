@@ -41,6 +41,7 @@ _EXPORTS = {
     "Handle": ".handle",
     "Optimization": ".handle",
     "Checkpointing": ".optimizations",
+    "EMA": ".optimizations.ema",
     "compare": ".comparison",
     "Comparison": ".comparison",
     "Variant": ".comparison",
@@ -53,6 +54,7 @@ __all__ = [
     "CATEGORIES",
     "Checkpointing",
     "Comparison",
+    "EMA",
     "Handle",
     "Optimization",
     "PHASES",
@@ -83,6 +85,7 @@ if TYPE_CHECKING:
     from .memory.tracker import track
     from .models import load_model, make_inputs
     from .optimizations import Checkpointing
+    from .optimizations.ema import EMA
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
 

@@ -114,3 +114,17 @@ register(
         report=("all",),
     )
 )
+
+from .ema import EMA  # noqa: E402
+
+register(
+    Spec(
+        name="ema",
+        config=EMA,
+        summary="keep an exponential moving average of the weights: one more copy of the parameters (category "
+        "ema) on the device, or in CPU memory with offload/cpu_only; one in-place pass over memory per update",
+        metavar="MODE[:every=N]",
+        choices=("device", "offload", "cpu_only"),
+        report=("device", "cpu_only"),
+    )
+)
