@@ -42,6 +42,7 @@ _EXPORTS = {
     "Optimization": ".handle",
     "Checkpointing": ".optimizations",
     "EMA": ".optimizations.ema",
+    "FFSplit": ".optimizations.feedforward",
     "compare": ".comparison",
     "Comparison": ".comparison",
     "Variant": ".comparison",
@@ -55,6 +56,7 @@ __all__ = [
     "Checkpointing",
     "Comparison",
     "EMA",
+    "FFSplit",
     "Handle",
     "Optimization",
     "PHASES",
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
     from .models import load_model, make_inputs
     from .optimizations import Checkpointing
     from .optimizations.ema import EMA
+    from .optimizations.feedforward import FFSplit
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
 
