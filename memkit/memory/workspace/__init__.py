@@ -6,8 +6,14 @@ transient buffers from the op's arguments, following the kernel source of torch 
 as a ``temporary`` allocation freed right after the op's outputs are allocated, which is the order the
 kernels use. What is not modelled: casts a CPU kernel makes of tensor operands of mixed dtypes, buffers
 a kernel allocates on worker threads beyond the first (CPU flash-attention backward: ``qSplitSize``
-floats per extra thread, which the profiler does not see either), oneDNN packing buffers (half precision
-on AMX CPUs only), and CUDA library workspaces (cuBLAS, cuDNN).
+floats per extra thread, which the profiler does not see either), and CUDA library workspaces (cuBLAS, cuDNN).
+
+Paths (``cpu_path.py`` says which one this process takes; measured against the profiler with torch 2.13):
+fp32 is exact on every x86 path. bf16 and fp16 are exact while oneDNN runs at most AVX2 (any CPU with
+``ONEDNN_MAX_CPU_ISA=AVX2``), and fp16 also up to AVX512_CORE_BF16. Not modelled: the brgemm/oneDNN packing
+buffers of half-precision matmuls (mm, addmm, bmm, ...) and flash attention from AVX512_CORE up for bf16
+and from AVX512_CORE_FP16 up for fp16 (AMX included), and those ops on non-x86 CPUs. A tracker that meets
+one lists it in ``timeline.meta["lower_bound_ops"]``: its figure is then a lower bound (``lower_bound_fn``).
 """
 
 from __future__ import annotations
