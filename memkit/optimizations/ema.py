@@ -85,7 +85,8 @@ class EMA:
     dtype: torch.dtype | None = None
     """Shadow dtype for floating parameters; None: each parameter's own (e.g. ``torch.float32`` for a bf16 model)."""
     chunk_mb: float = 32.0
-    """Bound of the staging buffer (MiB) for tensors whose dtype or device differs from their shadow's."""
+    """Bound of the staging buffer (MiB) for tensors whose dtype or device differs from their shadow's; the
+    buffer is also at most 1/64 of those shadows' bytes (at least 64 Ki elements)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.decay, (int, float)) or not 0.0 <= self.decay <= 1.0:
@@ -471,7 +472,7 @@ def _lerp_staged(pairs, weight: float, compute: torch.device, cfg: EMA, non_bloc
     dtype = pairs[0][0].dtype
     chunk = max(1, int(cfg.chunk_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
     total = sum(s.numel() for s, _ in pairs)
-    size = min(chunk, total)
+    size = min(chunk, max(total // 64, 2**16))  # the extra peak stays under ~1.6% of the staged shadows
     stage_s = any(s.device != compute for s, _ in pairs)
     pbuf = torch.empty(size, dtype=dtype, device=compute)
     sbuf = torch.empty(size, dtype=dtype, device=compute) if stage_s else None

@@ -1,0 +1,116 @@
+"""One EMA update: memkit's against diffusers ``EMAModel`` (foreach and loop) and torch's ``AveragedModel``.
+
+The small Flux preset, fp32, and a bf16 model with an fp32 EMA. Each way updates the same shadows several
+times, interleaved round by round; the fastest round counts (as ``timeit``). The floor is one ``lerp_`` over a
+single flat fp32 tensor of the same number of elements (one pass over memory): ``vs flat lerp_`` is that
+floor's time over the way's. Extra peak memory is what ``memkit.track()`` sees allocated during one update
+(the shadows and parameters exist before it). torch runs on one thread (a shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+
+import torch
+from diffusers.training_utils import EMAModel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import memkit
+
+from . import Section, Table, log
+
+TITLE = "ema: one EMA update, memkit vs diffusers EMAModel and torch AveragedModel"
+DECAY = 0.9999
+
+
+def _ways(model: torch.nn.Module, ema_dtype: torch.dtype) -> dict:
+    params = list(model.parameters())
+    ways = {}
+    for foreach in (True, False):
+        state = memkit.EMA(decay=DECAY, schedule="constant", foreach=foreach, dtype=ema_dtype).build(model)
+        ways[f"memkit foreach={foreach}"] = (lambda s=state: s.step(params), state.shadow_params)
+    for foreach in (True, False):
+        ref = EMAModel(params, decay=DECAY, foreach=foreach)
+        ref.to(dtype=ema_dtype)
+        ref.optimization_step = 10**6  # past the warmup: the decay is DECAY
+
+        def step(r=ref):
+            r.step(params)
+            r.optimization_step = 10**6
+
+        ways[f"diffusers foreach={foreach}"] = (step, ref.shadow_params)
+    if ema_dtype == params[0].dtype:  # AveragedModel keeps the model's dtype
+        avg = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY), use_buffers=False)
+        avg.n_averaged.fill_(1)
+        ways["torch AveragedModel (ema multi_avg_fn)"] = (lambda: avg.update_parameters(model), list(avg.parameters()))
+    numel = sum(p.numel() for p in params)
+    flat, src = torch.zeros(numel, dtype=ema_dtype), torch.ones(numel, dtype=ema_dtype)
+    ways["flat lerp_ (floor)"] = (lambda: flat.lerp_(src, 1 - DECAY), [flat])
+    return ways
+
+
+def _case(dtype: torch.dtype, rounds: int) -> list[dict]:
+    model = memkit.load_model("flux", size="small")
+    model = copy.deepcopy(model).to(dtype) if dtype != torch.float32 else model
+    ways = _ways(model, torch.float32)
+    ema_bytes = sum(p.numel() * 4 for p in model.parameters())
+    times: dict[str, list[float]] = {n: [] for n in ways}
+    names = list(ways)
+    for r in range(rounds + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            ways[name][0]()
+            if r:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    floor = min(times["flat lerp_ (floor)"])
+    rows = []
+    for name, (step, _) in ways.items():
+        with memkit.track() as tl:
+            step()
+        best = min(times[name])
+        rows.append(
+            {
+                "model / EMA": f"{str(dtype).replace('torch.', '')} / float32",
+                "way": name,
+                "update (ms)": best * 1e3,
+                "vs flat lerp_": floor / best,
+                "memkit speedup": best / min(times["memkit foreach=True"]),
+                "extra peak (MiB)": tl.peak_bytes / 2**20,
+                "extra peak / EMA bytes": tl.peak_bytes / ema_bytes,
+            }
+        )
+    return rows
+
+
+def run(quick: bool) -> Section:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for dtype in (torch.float32, torch.bfloat16):
+                log(f"ema: flux small, {dtype}")
+                rows += _case(dtype, 2 if quick else 7)
+    finally:
+        torch.set_num_threads(threads)
+    mk = {r["model / EMA"]: r for r in rows if r["way"] == "memkit foreach=True"}
+    notes = []
+    for key, r in mk.items():
+        peers = [x for x in rows if x["model / EMA"] == key and x["way"].startswith(("diffusers", "torch"))]
+        best_diffusers = min(x["update (ms)"] for x in peers if x["way"].startswith("diffusers"))
+        fastest_peer = min(x["update (ms)"] for x in peers)
+        notes.append(
+            f"{key}: memkit {r['update (ms)']:.1f} ms; {best_diffusers / r['update (ms)']:.2f}x faster than diffusers' "
+            f"best (target ≥ 2x); fastest peer {fastest_peer:.1f} ms; {r['vs flat lerp_']:.0%} of the flat lerp_ "
+            f"(target ≥ 90%); extra peak {r['extra peak / EMA bytes']:.2%} of the EMA's bytes (target < 2%)"
+        )
+    return Section(
+        name="ema",
+        title=TITLE,
+        text=__doc__ or "",
+        tables=[Table("Flux small (38.8M parameters), one EMA update, fp32 shadows", rows)],
+        notes=notes,
+    )
