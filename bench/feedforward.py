@@ -4,8 +4,10 @@ Part 1 (fake tensors, ``device="cuda"``): the PR's stack of 5 ``FeedForward`` la
 2, sequence 8192, fp32, ``no_grad``), estimated unsplit and with ``FFSplit(splits=4)`` and ``splits=16``,
 against the peaks the PR measured on a GPU. Part 2 (real tensors, CPU, one thread): a scaled-down stack
 (2 layers, dim 512, mult 4, batch 2, sequence 1024 or 256 in quick mode), tracked peak above the weights and
-inputs (``memkit.track``) and the fastest of several interleaved rounds, for hidden and sequence modes, in
-inference and in training (recompute on); time as a ratio to the unsplit layer in the same run.
+inputs (``memkit.track``) and the fastest of several rounds per configuration (configurations one after
+another, not interleaved), for hidden and sequence modes, in inference and in training (recompute on); time as
+a ratio to the unsplit layer in the same run. On a loaded shared machine the ``splits=1`` rows (the unsplit
+work through the split code path) already range 0.66-1.85x, so the time ratios are dominated by noise.
 """
 
 from __future__ import annotations
