@@ -7,7 +7,7 @@ import torch
 from diffusers.training_utils import EMAModel
 
 import memkit
-from memkit.optimizations.ema import EMAState
+from memkit.optimizations.ema import EMAState, diffusers_check
 
 
 def _model(seed=0):
@@ -155,12 +155,7 @@ def test_str_and_parse_round_trip():
 def test_in_compare_the_shadows_match_diffusers():
     decay = 0.9
 
-    def check(model, handle):
-        # the compare's first step updates once; diffusers from the same initial weights, same schedule
-        ref = EMAModel(memkit.load_model("flux").parameters(), decay=decay)
-        ref.step(model.parameters())
-        shadows = handle.owned()["ema"]
-        return {"max |Δema|": max(float((a - b).abs().max()) for a, b in zip(shadows, ref.shadow_params, strict=True))}
+    check = diffusers_check(lambda: memkit.load_model("flux"), decay=decay)
 
     variant = memkit.Variant(optimizations=[memkit.EMA(decay=decay)], check=check)
     cmp = memkit.compare(

@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -32,7 +32,7 @@ import torch
 from ..handle import Handle
 from ..memory.tracker import phase
 
-__all__ = ["EMA", "EMAState"]
+__all__ = ["EMA", "EMAState", "diffusers_check"]
 
 _MODES = ("device", "offload", "cpu_only")
 _SCHEDULES = ("diffusers", "constant")
@@ -524,3 +524,25 @@ def _lerp_staged(pairs, weight: float, compute: torch.device, cfg: EMA, non_bloc
     flush(group)
     if non_blocking and compute.type == "cuda":
         torch.cuda.current_stream(compute).synchronize()  # the host copies must land before anyone reads them
+
+
+def diffusers_check(
+    initial: Callable[[], torch.nn.Module], **settings: Any
+) -> Callable[[torch.nn.Module, Handle], dict[str, float]]:
+    """A :class:`memkit.Variant` check: the variant's shadows against diffusers' ``EMAModel(**settings)`` built
+    from ``initial()``'s weights and stepped once on the model after the compared step (what ``compare`` runs).
+
+    Example:
+        >>> check = diffusers_check(lambda: memkit.load_model("flux"), decay=0.9)
+        >>> memkit.Variant(optimizations=[memkit.EMA(decay=0.9)], check=check)   # column "max |Δema|"
+    """
+    from diffusers.training_utils import EMAModel
+
+    def check(model: torch.nn.Module, handle: Handle) -> dict[str, float]:
+        ref = EMAModel(initial().parameters(), **settings)
+        ref.step(model.parameters())
+        shadows = handle.owned()["ema"]
+        diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(shadows, ref.shadow_params, strict=True)]
+        return {"max |Δema|": max(diffs, default=0.0)}
+
+    return check
