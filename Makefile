@@ -44,7 +44,7 @@ bench: $(STAMP)
 
 # Mutation testing (mutmut): each module of memory/, handle, compare and optimizations/ mutated alone against its
 # own fast tests; per-module results and the surviving mutants in bench/MUTATION.md. Too slow for `make test` and CI
-# (tens of minutes on 2 cores). Some modules: `make mutate MODULES="events timeline"` (names: bench/mutation.py).
+# (well over an hour on 2 cores). Some modules: `make mutate MODULES="events timeline"` (names: bench/mutation.py).
 .PHONY: mutate
 MODULES ?=
 MUTATION_STAMP := $(VENV)/.installed-mutation

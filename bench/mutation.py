@@ -26,7 +26,8 @@ Not in ``MODULES``: ``memkit/memory/__init__.py`` (lazy re-exports, no logic of 
 CUDA-only code (``memkit/memory/cuda.py``) runs on CPU against a stand-in for ``torch.cuda``'s private
 history API (``tests/test_cuda.py`` monkeypatches it), so its branches are mutated and checked here too.
 
-Not part of ``make test`` or CI: a full run takes tens of minutes on two cores.
+Not part of ``make test`` or CI: a full run takes well over an hour on two cores (``comparison.py`` and
+``tracker.py`` run tiny models for every mutant; use ``--max-seconds`` to bound each module).
 
 Example:
     $ python -m bench.mutation                  # every module in MODULES
@@ -77,7 +78,10 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         "memkit/memory/_snapshot_schema.py",
         ("tests/test_snapshot_schema.py", "tests/test_snapshot.py", "tests/test_snapshot_real.py"),
     ),
-    "snapshot_write": ("memkit/memory/snapshot_write.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
+    "snapshot_write": (
+        "memkit/memory/snapshot_write.py",
+        ("tests/test_snapshot.py", "tests/test_snapshot_real.py", "tests/test_mutants_memory.py"),
+    ),
     "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
     "compare": ("memkit/comparison.py", ("tests/test_compare.py", "tests/test_mutants_compare.py")),
     "optimizations": (
@@ -187,6 +191,7 @@ class Result:
     equivalent: dict[str, str] = field(default_factory=dict)  # mutant name -> reason
     seconds: float = 0.0
     error: str | None = None
+    date: str = ""
 
     def count(self, statuses: set[str]) -> int:
         return sum(s in statuses for s in self.status.values())
@@ -274,7 +279,8 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
     """Mutate one module of ``MODULES`` against its test files; the mutants' statuses and the survivors' diffs."""
     target, wanted = MODULES[name]
     tests = [t for t in wanted if (ROOT / t).is_file()]
-    result = Result(name=name, target=target, tests=tests, skipped=_decorated(target))
+    date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    result = Result(name=name, target=target, tests=tests, skipped=_decorated(target), date=date)
     if not tests:
         result.error = f"none of its test files exist: {', '.join(wanted)}"
         return result
@@ -310,6 +316,9 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
         tail = log_text[-3000:]
         result.error = (result.error or "mutmut produced no mutants") + "\n" + re.sub(r"[^\n]*\r", "", tail)
         return result
+    if result.count(NOT_RUN) == len(result.status) and not result.error:
+        said = [ln for ln in re.sub(r"[^\n]*\r", "", log_text).splitlines() if ln.strip()][-3:]
+        result.error = "mutmut ran no mutant (its clean run of the tests must pass first):\n" + "\n".join(said)
     if "could not find any test case for any mutant" in log_text:  # mutmut stops before running any
         result.status = dict.fromkeys(result.status, "no tests")
         result.error = "no selected test reaches any mutated function"
@@ -334,7 +343,7 @@ def _render(result: Result, info: dict[str, str], commit: str) -> str:
     parts = [f"<!-- mutation:{result.name} {json.dumps(row)} -->", f"## {result.target}", ""]
     status = f"took {result.seconds:.0f} s" + (" (stopped early)" if result.error else "")
     parts += [
-        f"_`python -m bench.mutation {result.name}`, run {info['date']}, {status}; commit {commit}; "
+        f"_`python -m bench.mutation {result.name}`, run {result.date}, {status}; commit {commit}; "
         f"torch {info['torch']}, {info['cpu']}, {info['cores']}, load {info['load average (1, 5, 15 min)']}._",
         "",
         "Tests run against each mutant: " + ", ".join(f"`{t}`" for t in result.tests) + ".",
@@ -421,10 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown module(s) {', '.join(unknown)}; choose from {', '.join(MODULES)}")
     info, commit = machine(), _commit()
-    results = []
     for i, name in enumerate(args.names or MODULES, 1):
         log(f"[{i}/{len(args.names or MODULES)}] {name}: {MODULES[name][0]}")
-        info["date"] = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         result = run_module(
             name,
             jobs=args.jobs,
@@ -436,8 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: {row['mutants']} mutants, {row['% killed']}% killed in {result.seconds:.0f} s")
         if result.error:
             log(f"{name}: {result.error.splitlines()[0]}")
-        results.append(result)
-        write_results(results, info, commit, args.out)  # after each module, so a later crash keeps it
+        write_results([result], info, commit, args.out)  # after each module, so a later crash keeps it
     log(f"wrote {args.out}")
     return 0
 

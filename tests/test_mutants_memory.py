@@ -211,6 +211,7 @@ def test_a_timeline_written_as_a_snapshot_reads_back_with_its_bytes_and_categori
     path = tmp_path / "step.pickle"
     data = tl.to_snapshot(path)
     assert isinstance(data, dict) and path.is_file()
+    assert path.read_bytes()[:2] == b"\x80\x04"  # pickle protocol 4, the newest memory_viz reads
     for source in (data, path):
         back = Timeline.from_snapshot(source, default_category="temporary")
         assert back.peak_bytes == tl.peak_bytes and back.end_bytes == tl.end_bytes
@@ -228,3 +229,42 @@ def test_top_allocations_gives_ten_by_default_biggest_first():
     rows = [(i / 10, ALLOC, 100 + i, ACT, FWD, 0, -1, -1, i) for i in range(12)]
     top = Timeline(columns(rows), devices=["cpu"]).top_allocations()
     assert [a["bytes"] for a in top] == [111 - i for i in range(10)]
+
+
+def test_written_segments_have_torchs_shape_and_are_tiled_by_their_blocks():
+    # torch.cuda.memory._snapshot's Segment and Block (its docstring), as a real GPU writes them
+    rows = [
+        (0.0, ALLOC, 1000, ACT, FWD, 0, -1, -1, 1),
+        (0.1, ALLOC, 3000, ACT, FWD, 0, -1, -1, 2),
+        (0.2, FREE, 1000, ACT, FWD, 0, -1, -1, 1),  # a gap before the block still live at the end
+    ]
+    data = Timeline(columns(rows), devices=["cuda:0"]).to_snapshot()
+    (segment,) = data["segments"]
+    assert set(segment) == {
+        "device",
+        "address",
+        "total_size",
+        "allocated_size",
+        "active_size",
+        "requested_size",
+        "stream",
+        "segment_type",
+        "segment_pool_id",
+        "is_expandable",
+        "frames",
+        "blocks",
+    }
+    assert segment["stream"] == 0 and all(e["stream"] == 0 for e in data["device_traces"][0])  # one stream
+    assert (segment["segment_type"], segment["segment_pool_id"]) == ("large", (0, 0))  # the default pool
+    assert segment["is_expandable"] is False and segment["frames"] == []
+    blocks = segment["blocks"]
+    live = [b for b in blocks if b["state"] == "active_allocated"]
+    assert [b["requested_size"] for b in live] == [3000]
+    assert segment["allocated_size"] == segment["active_size"] == sum(b["size"] for b in live)
+    assert segment["requested_size"] == 3000
+    assert {b["state"] for b in blocks} == {"active_allocated", "inactive"}
+    address = segment["address"]
+    for block in blocks:  # the blocks tile the segment from its address, gaps included
+        assert set(block) >= {"address", "size", "requested_size", "state", "frames"} and block["address"] == address
+        address += block["size"]
+    assert address == segment["address"] + segment["total_size"]

@@ -25,6 +25,7 @@ def test_the_marker_frame_has_the_documented_shape():
         "name": "category=activation phase=forward",
     }
     assert is_marker(marker_frame(cat, phase, None)) and not is_marker({"filename": "model.py"})
+    assert parse_marker(marker_frame(cat, phase, "a=b=c")) == (cat, phase, "a=b=c")  # an op may hold "="
 
 
 @given(st.integers(0, len(CATEGORIES) - 1), st.integers(0, len(PHASES) - 1), st.none() | WORD)
