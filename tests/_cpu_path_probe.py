@@ -7,7 +7,7 @@ import sys
 import torch
 
 import memkit
-from memkit.memory.workspace.cpu_path import cpu_path
+from memkit.memory.workspace.cpu_path import cpu_path, modelled
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_tracker import tracked_and_profiled  # noqa: E402
@@ -55,6 +55,9 @@ def main(presets: list[str]) -> None:
             tl.meta["lower_bound_ops"],
         ]
     out["_path"] = repr(cpu_path())
+    out["_bf16_modelled"] = modelled("mm", torch.bfloat16) and modelled(
+        "_scaled_dot_product_flash_attention_for_cpu", torch.bfloat16
+    )
     print(json.dumps(out))
 
 

@@ -136,7 +136,7 @@ class Tracker:
         return info
 
     def _flag_lower_bound(self, name: str, unmodelled, fn, args, kwargs, out) -> int:
-        if unmodelled(args):
+        if unmodelled(args, kwargs):
             self._lower_bound.add(name)
         return fn(args, kwargs, out) if fn is not None else 0
 

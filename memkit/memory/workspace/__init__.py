@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import attention, cpu_path
+from . import attention, cpu_path, learned
 
 aten = torch.ops.aten
 
@@ -58,37 +58,65 @@ def _wrapped_scalars(slots: tuple[int, ...], args) -> int:
 
 WorkspaceFn = Callable[[tuple, dict, object], int]
 
+# Ops whose CPU kernels allocate internal buffers that only the allocator knows on some paths: learned per
+# call signature (learned.py). Convolutions always (im2col columns of the slow path, oneDNN scratch); matmuls and
+# flash attention where cpu_path.modelled() says no formula covers the path.
+LEARNED_OPS = frozenset({"convolution", "convolution_backward"})
+
+
+def _op_name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def _needs_learning(name: str, args) -> bool:
+    if name in LEARNED_OPS:
+        return True
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return t is not None and t.device.type == "cpu" and not cpu_path.modelled(name, t.dtype)
+
+
+def _learnable(name: str) -> bool:
+    return name in LEARNED_OPS or name in cpu_path.MATMUL_OPS or name in cpu_path.ATTENTION_OPS
+
 
 def workspace_fn(func, device: str | None = None) -> WorkspaceFn | None:
     """The function giving the bytes of internal buffers ``func`` allocates and frees while producing its
     outputs, ``fn(args, kwargs, out) -> int``; None when it has none (the common case, decided once per op).
 
     ``device`` is the device being measured (an estimate for CUDA runs on fake CPU tensors): CPU kernels'
-    buffers and CPU-side wrapped numbers count only for CPU.
+    buffers and CPU-side wrapped numbers count only for CPU. On a path no formula models, the bytes are
+    learned from the allocator (``learned.py``); where that is impossible they count as 0 and
+    :func:`lower_bound_fn` flags the call.
     """
     if device is not None and not device.startswith("cpu"):
         return None
     slots = tuple(i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only)
-    kernel = _CPU.get(func)
-    if kernel is None and not slots:
+    name = _op_name(func)
+    formula = _CPU.get(func)
+    learnable = _learnable(name)
+    if formula is None and not slots and not learnable:
         return None
-    if kernel is None:
-        return lambda args, kwargs, out: _wrapped_scalars(slots, args)
-    return lambda args, kwargs, out: _wrapped_scalars(slots, args) + kernel(args, kwargs, out)
+
+    def fn(args, kwargs, out) -> int:
+        n = _wrapped_scalars(slots, args) if slots else 0
+        if learnable and _needs_learning(name, args):
+            return n + (learned.learned_bytes(func, args, kwargs) or 0)
+        return n + formula(args, kwargs, out) if formula is not None else n
+
+    return fn
 
 
-def lower_bound_fn(func, device: str | None = None) -> Callable[[tuple], bool] | None:
-    """A predicate ``fn(args) -> bool``, True when this call of ``func`` runs a kernel path whose internal
-    buffers are not modelled (the tracked figure is then a lower bound); None for ops modelled on every path.
-    """
+def lower_bound_fn(func, device: str | None = None) -> Callable[[tuple, dict], bool] | None:
+    """A predicate ``fn(args, kwargs) -> bool``, True when this call of ``func`` runs a kernel path whose
+    internal buffers are neither modelled nor learned (the tracked figure is then a lower bound); None for ops
+    that allocate no internal buffers on any path, or whose formula covers every path."""
     if device is not None and not device.startswith("cpu"):
         return None
-    name = func._schema.name.split("::")[-1]
-    if name not in cpu_path.MATMUL_OPS and name not in cpu_path.ATTENTION_OPS:
+    name = _op_name(func)
+    if not _learnable(name):
         return None
 
-    def unmodelled(args) -> bool:
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        return t is not None and t.device.type == "cpu" and not cpu_path.modelled(name, t.dtype)
+    def unknown(args, kwargs) -> bool:
+        return _needs_learning(name, args) and learned.learned_bytes(func, args, kwargs) is None
 
-    return unmodelled
+    return unknown

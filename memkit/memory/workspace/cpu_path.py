@@ -98,7 +98,8 @@ def cpu_path() -> CpuPath:
 # Ops whose CPU kernels allocate internal buffers on some path. Measured with torch 2.13 against the profiler:
 # fp32 allocates none beyond attention's modelled buffers on every x86 path; bf16 matmuls and bf16 flash
 # attention allocate oneDNN/brgemm packing buffers from AVX512_CORE up (and more with AMX); fp16 ones from
-# AVX512_CORE_FP16 (AVX10_1_512) up. Those buffers are not modelled: a run that meets them is a lower bound.
+# AVX512_CORE_FP16 (AVX10_1_512) up. Those buffers follow oneDNN's blocking (ISA, threads, cache sizes), which no
+# formula here follows: a run that meets them learns them from the allocator (learned.py), or else is a lower bound.
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv"})
 ATTENTION_OPS = frozenset(
     {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
@@ -112,8 +113,8 @@ def modelled(op: str, dtype: torch.dtype, path: CpuPath | None = None) -> bool:
     path = cpu_path() if path is None else path
     if op not in MATMUL_OPS and op not in ATTENTION_OPS:
         return True
-    if not path.x86:
-        return op in MATMUL_OPS and dtype not in _FIRST_UNMODELLED_ISA
+    if not path.x86:  # no formula was checked against another architecture's kernels: learn them all
+        return False
     first = _FIRST_UNMODELLED_ISA.get(dtype)
     if first is None:
         return True
