@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("tracking_overhead", "estimate_full", "snapshot_load", "ema", "feedforward")
+BENCHMARKS: tuple[str, ...] = (
+    "tracking_overhead",
+    "learned_workspace",
+    "estimate_full",
+    "snapshot_load",
+    "ema",
+    "feedforward",
+)
 """Benchmark module names, in run order."""
 
 RESULTS = Path(__file__).with_name("RESULTS.md")

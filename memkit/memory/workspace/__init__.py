@@ -1,19 +1,25 @@
 """Memory that kernels allocate inside themselves and free before returning.
 
 A dispatch mode sees an op's outputs but not the buffers its kernel allocates internally. Most ops have
-none; the ones below do, and on a small model they set the peak. Each entry gives the bytes of the
-transient buffers from the op's arguments, following the kernel source of torch 2.6–2.13. They are counted
-as a ``temporary`` allocation freed right after the op's outputs are allocated, which is the order the
-kernels use. What is not modelled: casts a CPU kernel makes of tensor operands of mixed dtypes, buffers
-a kernel allocates on worker threads beyond the first (CPU flash-attention backward: ``qSplitSize``
-floats per extra thread, which the profiler does not see either), and CUDA library workspaces (cuBLAS, cuDNN).
+none; the ones below do, and on a small model they set the peak. They are counted as a ``temporary``
+allocation freed right after the op's outputs are allocated, which gives the op's true peak whatever order
+the kernel used. Two ways to know them:
 
-Paths (``cpu_path.py`` says which one this process takes; measured against the profiler with torch 2.13):
-fp32 is exact on every x86 path. bf16 and fp16 are exact while oneDNN runs at most AVX2 (any CPU with
-``ONEDNN_MAX_CPU_ISA=AVX2``), and fp16 also up to AVX512_CORE_BF16. Not modelled: the brgemm/oneDNN packing
-buffers of half-precision matmuls (mm, addmm, bmm, ...) and flash attention from AVX512_CORE up for bf16
-and from AVX512_CORE_FP16 up for fp16 (AMX included), and those ops on non-x86 CPUs. A tracker that meets
-one lists it in ``timeline.meta["lower_bound_ops"]``: its figure is then a lower bound (``lower_bound_fn``).
+- **Formulas**, where torch's own kernel source sizes the buffers from the arguments alone: CPU flash
+  attention on the paths without oneDNN packing (``attention.py``: fp32 everywhere, bf16/fp16 while oneDNN
+  runs at most AVX2, fp16 up to AVX512_CORE_BF16), and Python scalars wrapped into tensors. Free, and usable
+  on fake tensors without running anything.
+- **Learned from the allocator** (``learned.py``), where the kernel sizes its scratch from what Python cannot
+  see (oneDNN's blocking follows the ISA, thread count and cache sizes): half-precision matmuls and flash
+  attention from AVX512_CORE up (AMX included), every convolution (im2col columns of the slow path, oneDNN
+  scratch), and every matmul and attention call on a non-x86 CPU. Each call signature is run once in a
+  worker process under the profiler; the answer is cached.
+
+``cpu_path.py`` says which path this process takes. A call whose buffers can be neither computed nor learned
+is listed in ``timeline.meta["lower_bound_ops"]``: its figure is then a lower bound. Not modelled at all:
+casts a CPU kernel makes of tensor operands of mixed dtypes; buffers allocated on worker threads beyond the
+first (CPU flash-attention backward: ``qSplitSize`` floats per extra thread, which the profiler does not see
+either); CUDA library workspaces (cuBLAS, cuDNN).
 """
 
 from __future__ import annotations
