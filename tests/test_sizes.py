@@ -1,0 +1,145 @@
+"""The tracker against torch.profiler's CPU allocator count beyond the presets' default inputs.
+
+At a tiny preset's default inputs a steady AdamW step peaks in the optimizer update, so `test_tracker.py`
+checks the byte count only where optimizer temporaries set the peak. Here the sizes move the peak: 256 px
+images, batch 2 at 128 px and more video frames put it in the backward (activations plus the first
+gradients and kernel buffers), inference at 256 px puts it in the forward. Every preset x {defaults,
+256 px, batch 2, batch 2 at 128 px, more frames (video presets), inference at 256 px} x {fp32, bf16}, one
+thread, a steady step (one warm-up step first). ``test_peak_phase`` checks that each size really puts the
+peak where the case claims.
+
+Equality is `test_tracker.assert_equals_profiler`'s, whatever it requires of ``meta["lower_bound_ops"]``
+(half-precision matmul and flash-attention buffers on AVX-512 CPUs are flagged there, or learned: not marked
+here). Cases marked xfail miss bytes for a known cause that is being fixed; the reason names it, and the mark
+goes when the fix lands.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_tracker import assert_equals_profiler, tracked_and_profiled
+
+import memkit
+from memkit.memory.workspace.cpu_path import cpu_path
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Frames that move a video preset's peak into the backward at its tiny default height and width
+# (LTX-Video 65 frames: 9 latent frames; Wan 33 frames: 9 latent frames).
+FRAMES = {"ltx-video": 65, "wan": 33}
+
+# variant -> (mode, batch size, make_inputs sizes, the phase the tracked peak falls in; None: not claimed)
+VARIANTS = {
+    "defaults": ("training", 1, {}, None),  # the update, or the backward where a kernel buffer tops it
+    "256px": ("training", 1, {"height": 256, "width": 256}, "backward"),
+    "batch2": ("training", 2, {}, None),  # at tiny defaults the update still sets the peak for most presets
+    "batch2-128px": ("training", 2, {"height": 128, "width": 128}, "backward"),
+    "frames": ("training", 1, {}, "backward"),  # frames from FRAMES
+    "256px-inference": ("inference", 1, {"height": 256, "width": 256}, "forward"),
+}
+
+# Known causes of missing bytes, being fixed elsewhere (found with the profiler's event tree: allocations live
+# at the profiler's peak that never passed through the tracker's dispatch mode, or that a kernel freed before
+# returning).
+WRAPPED = (
+    "(b) Python-scalar wrapped numbers saved by autograd: `x / 2.0` (diffusers' rescale_output_factor / "
+    "output_scale_factor) makes an 8-byte 0-dim tensor before dispatch that DivBackward0 keeps until backward; "
+    "the tracker counts it as freed when the op returns (DiT 16, PixArt 32, UNet 112-128 bytes short)"
+)
+CONV = (
+    "(a) convolution internal buffers not modelled (learned workspace): _slow_conv2d_forward/backward im2col "
+    "columns (UNet at 256 px, every x86 path) and oneDNN convolution scratch (ONEDNN_MAX_CPU_ISA=AVX2 path)"
+)
+
+
+def _is_video(preset: str) -> bool:
+    return "frames" in memkit.PRESETS[preset].input_sizes["tiny"]
+
+
+def _known_failure(preset: str, variant: str, dtype: str) -> str | None:
+    reasons = []
+    wrapped = variant in ("256px", "batch2-128px")  # the peak in the backward, with the divisors still saved
+    if preset == "unet":
+        # Measured on AVX-512 (BF16) and with ONEDNN_MAX_CPU_ISA=AVX2, torch 2.13, one thread.
+        avx2 = cpu_path().at_most("AVX2")
+        conv = variant == "256px" or (
+            avx2 and (variant, dtype) in {("batch2", "fp32"), ("batch2-128px", "bf16"), ("256px-inference", "bf16")}
+        )
+        if conv:
+            reasons.append(CONV)
+        wrapped = wrapped or (avx2 and (variant, dtype) == ("batch2", "fp32"))
+    if wrapped and preset in ("dit", "pixart", "unet"):
+        reasons.append(WRAPPED)
+    return "; ".join(reasons) or None
+
+
+def _cases() -> list:
+    cases = []
+    for preset in sorted(memkit.PRESETS):
+        for variant in VARIANTS:
+            if variant == "frames" and not _is_video(preset):
+                continue
+            for dtype in DTYPES:
+                reason = _known_failure(preset, variant, dtype)
+                marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
+                cases.append(pytest.param(preset, variant, dtype, id=f"{preset}-{variant}-{dtype}", marks=marks))
+    return cases
+
+
+def _phase_cases() -> list:
+    return [
+        pytest.param(*c.values, id=c.id)
+        for c in _cases()
+        if VARIANTS[c.values[1]][3] is not None  # no xfail: the bytes missed above are too few to move the peak
+    ]
+
+
+@functools.cache
+def measure(preset: str, variant: str, dtype: str):
+    """(timeline, profiler peak, profiler end) of one steady step; cached so both tests share one run."""
+    mode, batch, sizes, _ = VARIANTS[variant]
+    if variant == "frames":
+        sizes = {"frames": FRAMES[preset]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = memkit.load_model(preset, dtype=DTYPES[dtype])
+        inputs = memkit.make_inputs(model, batch_size=batch, **sizes)
+        if mode == "inference":
+
+            def step():
+                with torch.no_grad():
+                    model(**inputs)
+
+            kwargs = {"model": model, "inputs": inputs}
+        else:
+            opt = torch.optim.AdamW(model.parameters())
+
+            def step():
+                memkit.train_step(model, inputs, opt)
+
+            kwargs = {"model": model, "optimizer": opt, "inputs": inputs}
+        step()  # warm-up: optimizer state (and any lazily built cache) exists before the measured step
+        tl, (prof_peak, prof_end) = tracked_and_profiled(step, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+    return tl, prof_peak, prof_end
+
+
+@pytest.mark.parametrize(("preset", "variant", "dtype"), _cases())
+def test_peak_equals_profiler_at_sizes_beyond_the_defaults(preset, variant, dtype):
+    tl, prof_peak, prof_end = measure(preset, variant, dtype)
+    assert_equals_profiler(tl, prof_peak, prof_end)
+
+
+@pytest.mark.parametrize(("preset", "variant", "dtype"), _phase_cases())
+def test_peak_phase(preset, variant, dtype):
+    tl, _, _ = measure(preset, variant, dtype)
+    assert tl.peak_phase == VARIANTS[variant][3]
+
+
+def test_frames_cover_every_video_preset():
+    assert {p for p in memkit.PRESETS if _is_video(p)} == set(FRAMES)
