@@ -3,8 +3,9 @@
 Why a dispatch mode: it sees every op on any device (CPU, CUDA, fake tensors) with its real output
 storages, so the bytes it adds up are the bytes the allocator handed out, not an estimate from shapes.
 Frees come from a weakref callback on each storage, which fires exactly when the storage dies.
-Two things a dispatch mode cannot see are added explicitly: buffers that a kernel allocates internally
-and frees before returning (``workspace.py``), and, on CUDA, the caching allocator's rounding.
+Three things a dispatch mode cannot see are added explicitly: buffers that a kernel allocates internally
+and frees before returning (``workspace``), the 0-dim tensors of Python numbers passed as Tensor arguments,
+which autograd may keep for backward (``workspace/scalars.py``), and, on CUDA, the caching allocator's rounding.
 
 Categories are assigned when a storage is allocated, from what is running (module hooks give the forward,
 autograd's graph task gives the backward, optimizer hooks the optimizer step), and corrected once a
@@ -31,6 +32,7 @@ from . import workspace
 from .cuda import cuda_history_available, cuda_snapshot, record_cuda_history
 from .events import ALLOC, CATEGORIES, CATEGORY_CODE, FREE, PHASE_CODE, EventLog, check_category
 from .timeline import Timeline
+from .workspace.scalars import reused_bytes, saved_scalars_fn
 
 _FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = (PHASE_CODE[p] for p in ("forward", "backward", "optimizer", "other"))
 _ACTIVATION, _TEMPORARY = CATEGORY_CODE["activation"], CATEGORY_CODE["temporary"]
@@ -61,6 +63,10 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tracker = self.tracker
+        if tracker._pending and func.namespace != "prim":
+            # Before the phase: a backward starting now retags what is saved. Not on prim ops (prim.device): they
+            # allocate nothing, and fake tensors' device queries run before autograd has set the output's grad_fn.
+            tracker._resolve_saved()
         phase = tracker._phase_now()
         out = func(*args, **kwargs)
         tracker._record_outputs(func, args, kwargs, out, phase)
@@ -97,6 +103,11 @@ class Tracker:
         self._seen_modules: set[int] = set()
         self._handles: list[Any] = []
         self._ops: dict[int, tuple] = {}
+        # Wrapped numbers autograd may have saved, each with the output whose grad_fn holds it (see _expect_saved)
+        self._pending: list[tuple] = []
+        self._synthetic_key = -1  # storage keys of those rows until the real storage is known: -2, -3, ...
+        self._saved_by_node: dict[int, list[tuple[int, object]]] = {}  # node sequence nr -> (storage key, number)
+        self._saved_node: dict[int, int] = {}  # storage key -> node sequence nr
         self._lower_bound: set[str] = set()  # ops that ran a kernel path whose internal buffers are not modelled
         self._devices: dict[torch.device | None, int] = {}
         self._t0 = time.perf_counter()
@@ -131,7 +142,10 @@ class Tracker:
             partial_fn = workspace.lower_bound_fn(func, self.device)
             if partial_fn is not None:
                 fn = partial(self._flag_lower_bound, str(func.overloadpacket), partial_fn, fn)
-            info = (aliasing, self.log.ops(str(func)), fn, func)
+            slots = tuple(
+                i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only
+            )
+            info = (aliasing, self.log.ops(str(func)), fn, saved_scalars_fn(func, self.device), slots, func)
             self._ops[id(func)] = info
         return info
 
@@ -141,7 +155,7 @@ class Tracker:
         return fn(args, kwargs, out) if fn is not None else 0
 
     def _record_outputs(self, func, args, kwargs, out, phase: int) -> None:
-        aliasing, op, workspace_fn, _ = self._op_info(func)
+        aliasing, op, workspace_fn, saved_fn, slots, _ = self._op_info(func)
         if not aliasing:
             # A forward op replayed inside backward (activation checkpointing) recomputes an activation.
             category = _ACTIVATION if (phase == _BACKWARD and self._forward_depth) else _TEMPORARY
@@ -152,6 +166,8 @@ class Tracker:
                     if isinstance(t, torch.Tensor):
                         self._new_storage(t, category, phase, op)
         extra = workspace_fn(args, kwargs, out) if workspace_fn is not None else 0
+        if extra and self._saved_by_node and phase == _BACKWARD and slots:
+            extra -= self._reused_saved(args, slots)
         if extra:
             device = self._device_code(self._first_tensor_device(out))
             n = self._round(extra)
@@ -159,6 +175,50 @@ class Tracker:
             frame = self._frame() if self.record_stacks else -1
             self.log.rows.append((now, ALLOC, n, _TEMPORARY, phase, device, op, frame, -1))
             self.log.rows.append((now, FREE, n, _TEMPORARY, phase, device, op, frame, -1))
+        if saved_fn is not None and isinstance(out, torch.Tensor):
+            saved = saved_fn(args)
+            if saved:
+                self._expect_saved(out, saved, phase, op)
+
+    def _expect_saved(self, out: torch.Tensor, saved: tuple[tuple[str, int, object], ...], phase: int, op: int) -> None:
+        # Autograd's node, which may keep the argument parser's wrapped number, exists only once this op has
+        # returned through the autograd kernel: count the number as live from here, and find it on the output's
+        # grad_fn before the next op (nothing allocates in between that this tracker would record).
+        device = self._device_code(out.device)
+        ref = weakref.ref(out)
+        rows = self.log.rows
+        frame = self._frame() if self.record_stacks else -1
+        for attr, n, value in saved:
+            n = self._round(n)
+            self._synthetic_key -= 1
+            key = self._synthetic_key
+            self._pending.append((ref, attr, n, value, len(rows), key, phase, device))
+            rows.append((time.perf_counter() - self._t0, ALLOC, n, _TEMPORARY, phase, device, op, frame, key))
+
+    def _reused_saved(self, args, slots: tuple[int, ...]) -> int:
+        node = torch._C._current_autograd_node()
+        seq = getattr(node, "_sequence_nr", None)
+        saved = self._saved_by_node.get(seq()) if seq is not None else None
+        return reused_bytes(slots, args, saved) if saved else 0
+
+    def _resolve_saved(self) -> None:
+        pending, self._pending = self._pending, []
+        for ref, attr, n, value, index, key, phase, device in pending:
+            out = ref()
+            node = out.grad_fn if out is not None else None
+            saved = getattr(node, attr, None) if node is not None else None
+            if isinstance(saved, torch.Tensor):
+                s = saved.untyped_storage()
+                skey = s._cdata
+                if skey not in self._live:  # the same number saved twice is one storage
+                    on_free = partial(self._on_free, skey, device, row_key=key)
+                    self._live[skey] = _Live(index, n, _TEMPORARY, phase, weakref.ref(s, on_free))
+                    seq = node._sequence_nr()
+                    self._saved_by_node.setdefault(seq, []).append((skey, value))
+                    self._saved_node[skey] = seq
+                    continue
+            # not saved after all (no node, or the node does not keep it): it died when the op returned
+            self.log.rows.append((time.perf_counter() - self._t0, FREE, n, _TEMPORARY, phase, device, -1, -1, key))
 
     def _new_storage(self, t: torch.Tensor, category: int, phase: int, op: int) -> None:
         s = t.untyped_storage()
@@ -177,13 +237,22 @@ class Tracker:
         rows.append((time.perf_counter() - self._t0, ALLOC, n, category, phase, device, op, frame, key))
         self._live[key] = _Live(index, n, category, phase, weakref.ref(s, partial(self._on_free, key, device)))
 
-    def _on_free(self, key: int, device: int, _ref=None) -> None:
+    def _on_free(self, key: int, device: int, _ref=None, row_key: int | None = None) -> None:
         entry = self._live.pop(key, None)
         if entry is None or self._closed:
             return
         phase = self._explicit[-1] if self._explicit else self._last_phase
+        if row_key is None:
+            row_key = key
+        else:  # a saved wrapped number: its node no longer holds it
+            seq = self._saved_node.pop(key, None)
+            held = self._saved_by_node.get(seq)
+            if held is not None:
+                held[:] = [h for h in held if h[0] != key]
+                if not held:
+                    del self._saved_by_node[seq]
         self.log.rows.append(
-            (time.perf_counter() - self._t0, FREE, entry.nbytes, entry.category, phase, device, -1, -1, key)
+            (time.perf_counter() - self._t0, FREE, entry.nbytes, entry.category, phase, device, -1, -1, row_key)
         )
 
     def _round(self, n: int) -> int:
@@ -312,6 +381,8 @@ class Tracker:
             mode, self._mode = self._mode, None
             if mode is not None:
                 mode.__exit__(None, None, None)
+            if self._pending:
+                self._resolve_saved()
         finally:
             if self in _active:
                 _active.remove(self)
@@ -322,6 +393,9 @@ class Tracker:
             self.timeline._freeze()
             self._closed = True
             self._live.clear()  # drops the weakrefs, so no callback runs for storages that die later
+            self._pending.clear()
+            self._saved_by_node.clear()
+            self._saved_node.clear()
 
     def _snapshot(self, seen_version) -> tuple[tuple, dict, dict] | None:
         version = (len(self.log.rows), len(self.log.retags), tuple(self._baseline.values()))

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from . import attention, cpu_path, learned
+from .scalars import _wrapped_scalars
 
 aten = torch.ops.aten
 
@@ -40,26 +41,6 @@ for _name, _fn in (
     _packet = getattr(aten, _name, None)
     if _packet is not None:
         _CPU[_packet.default] = _fn
-
-
-_WRAPPED_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
-
-
-def _wrapped_scalars(slots: tuple[int, ...], args) -> int:
-    # A Python number passed where the schema takes a Tensor (``x / 2.0``) becomes a 0-dim "wrapped number"
-    # tensor: the argument parser allocates one before dispatch, the call below the dispatch mode allocates
-    # another, and the kernel casts it to the computation dtype. All three die when the op returns.
-    n = 0
-    for i in slots:
-        if i < len(args) and type(args[i]) in _WRAPPED_DTYPE:
-            wrapped = _WRAPPED_DTYPE[type(args[i])]
-            n += 2 * wrapped.itemsize
-            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if tensor is not None:
-                common = torch.result_type(tensor, args[i])
-                if common != wrapped:
-                    n += common.itemsize
-    return n
 
 
 WorkspaceFn = Callable[[tuple, dict, object], int]
