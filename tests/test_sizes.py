@@ -8,10 +8,11 @@ gradients and kernel buffers), inference at 256 px puts it in the forward. Every
 thread, a steady step (one warm-up step first). ``test_peak_phase`` checks that each size really puts the
 peak where the case claims.
 
-Equality is `test_tracker.assert_equals_profiler`'s, whatever it requires of ``meta["lower_bound_ops"]``
-(half-precision matmul and flash-attention buffers on AVX-512 CPUs are flagged there, or learned: not marked
-here). Cases marked xfail miss bytes for a known cause that is being fixed; the reason names it, and the mark
-goes when the fix lands.
+Equality is `test_tracker.assert_equals_profiler`'s: to the byte, nothing flagged in
+``meta["lower_bound_ops"]``. What it took beyond the defaults: convolutions' internal buffers (im2col columns,
+oneDNN scratch) and half-precision matmul/attention scratch on AVX-512 learned from the allocator
+(``workspace/learned.py``), and the Python numbers autograd saves (``x / 2.0``'s divisor,
+``workspace/scalars.py``) counted until backward releases them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from test_tracker import assert_equals_profiler, tracked_and_profiled
 
 import memkit
-from memkit.memory.workspace.cpu_path import cpu_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -41,39 +41,9 @@ VARIANTS = {
     "256px-inference": ("inference", 1, {"height": 256, "width": 256}, "forward"),
 }
 
-# Known causes of missing bytes, being fixed elsewhere (found with the profiler's event tree: allocations live
-# at the profiler's peak that never passed through the tracker's dispatch mode, or that a kernel freed before
-# returning).
-WRAPPED = (
-    "(b) Python-scalar wrapped numbers saved by autograd: `x / 2.0` (diffusers' rescale_output_factor / "
-    "output_scale_factor) makes an 8-byte 0-dim tensor before dispatch that DivBackward0 keeps until backward; "
-    "the tracker counts it as freed when the op returns (DiT 16, PixArt 32, UNet 112-128 bytes short)"
-)
-CONV = (
-    "(a) convolution internal buffers not modelled (learned workspace): _slow_conv2d_forward/backward im2col "
-    "columns (UNet at 256 px, every x86 path) and oneDNN convolution scratch (ONEDNN_MAX_CPU_ISA=AVX2 path)"
-)
-
 
 def _is_video(preset: str) -> bool:
     return "frames" in memkit.PRESETS[preset].input_sizes["tiny"]
-
-
-def _known_failure(preset: str, variant: str, dtype: str) -> str | None:
-    reasons = []
-    wrapped = variant in ("256px", "batch2-128px")  # the peak in the backward, with the divisors still saved
-    if preset == "unet":
-        # Measured on AVX-512 (BF16) and with ONEDNN_MAX_CPU_ISA=AVX2, torch 2.13, one thread.
-        avx2 = cpu_path().at_most("AVX2")
-        conv = variant == "256px" or (
-            avx2 and (variant, dtype) in {("batch2", "fp32"), ("batch2-128px", "bf16"), ("256px-inference", "bf16")}
-        )
-        if conv:
-            reasons.append(CONV)
-        wrapped = wrapped or (avx2 and (variant, dtype) == ("batch2", "fp32"))
-    if wrapped and preset in ("dit", "pixart", "unet"):
-        reasons.append(WRAPPED)
-    return "; ".join(reasons) or None
 
 
 def _cases() -> list:
@@ -83,18 +53,12 @@ def _cases() -> list:
             if variant == "frames" and not _is_video(preset):
                 continue
             for dtype in DTYPES:
-                reason = _known_failure(preset, variant, dtype)
-                marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
-                cases.append(pytest.param(preset, variant, dtype, id=f"{preset}-{variant}-{dtype}", marks=marks))
+                cases.append(pytest.param(preset, variant, dtype, id=f"{preset}-{variant}-{dtype}"))
     return cases
 
 
 def _phase_cases() -> list:
-    return [
-        pytest.param(*c.values, id=c.id)
-        for c in _cases()
-        if VARIANTS[c.values[1]][3] is not None  # no xfail: the bytes missed above are too few to move the peak
-    ]
+    return [pytest.param(*c.values, id=c.id) for c in _cases() if VARIANTS[c.values[1]][3] is not None]
 
 
 @functools.cache

@@ -300,3 +300,43 @@ def test_attention_kernel_buffers_equal_the_profiler(shape, dtype, threads):
 
     tl, (prof_peak, prof_end) = tracked_and_profiled(step, inputs={"q": q, "k": k, "v": v})
     assert_equals_profiler(tl, prof_peak, prof_end)
+
+
+@pytest.mark.parametrize("preset", ["dit", "flux"])
+def test_checkpointing_keeps_the_rng_state_it_saved(preset):
+    # checkpoint() saves torch.get_rng_state() (5,056 bytes, built outside dispatch) per checkpointed block
+    # until that block's backward: at 256 px the peak is in the backward, where those states are still alive.
+    torch.set_num_threads(1)
+    model = memkit.load_model(preset)
+    inputs = memkit.make_inputs(model, height=256, width=256)
+    opt = torch.optim.AdamW(model.parameters())
+    with memkit.Checkpointing().apply(model):
+        memkit.train_step(model, inputs, opt)
+        tl, (prof_peak, prof_end) = tracked_and_profiled(
+            lambda: memkit.train_step(model, inputs, opt), model=model, optimizer=opt, inputs=inputs
+        )
+    assert tl.peak_phase == "backward"
+    assert_equals_profiler(tl, prof_peak, prof_end)
+
+
+def test_rng_state_outside_dispatch_is_tracked_and_the_function_restored():
+    real = torch.get_rng_state
+    state_bytes = real().untyped_storage().nbytes()
+    x = torch.randn(64, requires_grad=True)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
+
+    with track(inputs=[x]) as tl:
+        with track() as inner:  # nested: both see it, and the outer one still does after the inner one stops
+            torch.get_rng_state()
+        Block()(x).sum().backward()
+    assert torch.get_rng_state is real
+    events = tl.to_pandas()
+    states = events[(events.op == "torch.get_rng_state") & (events.action == "alloc")]
+    assert len(states) >= 2 and set(states.bytes) == {state_bytes}  # the inner block's, and checkpoint's
+    assert "activation" in set(states.category)  # the one checkpoint saved in the forward, alive at backward
+    inner_events = inner.to_pandas()
+    assert list(inner_events[inner_events.op == "torch.get_rng_state"].bytes) == [state_bytes]
+    assert inner.peak_bytes - inner.baseline_bytes == state_bytes and inner.end_bytes == inner.baseline_bytes

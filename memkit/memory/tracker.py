@@ -38,6 +38,26 @@ _FORWARD, _BACKWARD, _OPTIMIZER, _OTHER = (PHASE_CODE[p] for p in ("forward", "b
 _ACTIVATION, _TEMPORARY = CATEGORY_CODE["activation"], CATEGORY_CODE["temporary"]
 
 _active: list[Tracker] = []  # innermost last
+_get_rng_state = None  # torch.get_rng_state while trackers are active (it is replaced by _rng_state_seen)
+
+
+def _rng_state_seen() -> torch.Tensor:
+    # torch.get_rng_state() builds its ByteTensor in C++, outside dispatch; activation checkpointing keeps one per
+    # checkpointed block (preserve_rng_state=True, the default) until that block's backward recomputes it.
+    state = _get_rng_state()
+    for tracker in list(_active):
+        tracker._outside_dispatch(state, "torch.get_rng_state")
+    return state
+
+
+def _watch_outside_dispatch(on: bool) -> None:
+    global _get_rng_state
+    if on and _get_rng_state is None:
+        _get_rng_state, torch.get_rng_state = torch.get_rng_state, _rng_state_seen
+    elif not on and _get_rng_state is not None:
+        torch.get_rng_state, _get_rng_state = _get_rng_state, None
+
+
 _FRESH = {torch.ops.aten.lift_fresh.default}
 
 
@@ -220,6 +240,12 @@ class Tracker:
             # not saved after all (no node, or the node does not keep it): it died when the op returned
             self.log.rows.append((time.perf_counter() - self._t0, FREE, n, _TEMPORARY, phase, device, -1, -1, key))
 
+    def _outside_dispatch(self, t: torch.Tensor, name: str) -> None:
+        """A new tensor that torch built without dispatching an op (the tracker's mode never saw it)."""
+        phase = self._phase_now()
+        category = _ACTIVATION if (phase == _BACKWARD and self._forward_depth) else _TEMPORARY
+        self._new_storage(t, category, phase, self.log.ops(name))
+
     def _new_storage(self, t: torch.Tensor, category: int, phase: int, op: int) -> None:
         s = t.untyped_storage()
         key = s._cdata
@@ -374,6 +400,7 @@ class Tracker:
         self._t0 = time.perf_counter()
         self._mode.__enter__()
         _active.append(self)
+        _watch_outside_dispatch(True)
 
     def stop(self) -> None:
         """Stop recording and remove every hook; safe to call if ``start`` never ran or failed."""
@@ -386,6 +413,8 @@ class Tracker:
         finally:
             if self in _active:
                 _active.remove(self)
+            if not _active:
+                _watch_outside_dispatch(False)
             for h in self._handles:
                 h.remove()
             self._handles.clear()
