@@ -57,6 +57,7 @@ def _profiled_peak(fn) -> int:
 
 
 def _tracked(model, inputs, opt, step):
+    model.zero_grad(set_to_none=True)
     gc.collect()
     out = {}
 
@@ -75,22 +76,24 @@ def _case(preset: str, size: str, dtype: torch.dtype) -> dict:
     inputs = memkit.make_inputs(model)
     opt = None
 
-    def step():
-        model.zero_grad(set_to_none=True)
+    def step():  # gradients are freed before each window, outside it: every window starts from the same state
         memkit.train_step(model, inputs)
 
     step()
     learned._cache.clear()
     learned._stop()
+    model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     with track(model, optimizer=opt, inputs=inputs):
         step()
     cold = time.perf_counter() - t0
     signatures = learned.cache_info()["learned"]
+    model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     with track(model, optimizer=opt, inputs=inputs):
         step()
     warm = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     step()
     plain = time.perf_counter() - t0
