@@ -111,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
     print(rows_text(rows))
     if result["lower_bound_ops"]:
         print(
-            "\nLOWER BOUND: these ops allocate buffers inside their kernels that memkit does not model on this "
-            f"machine's CPU path, so the true peak may be higher: {', '.join(result['lower_bound_ops'])}"
+            "\nLOWER BOUND: these ops allocate buffers inside their kernels that memkit could neither compute nor "
+            "learn here (learning off with MEMKIT_LEARN_WORKSPACE=0, or a call over MEMKIT_LEARN_MAX_BYTES), so the "
+            f"true peak may be higher: {', '.join(result['lower_bound_ops'])}"
         )
     if args.device == "cuda":
         print(

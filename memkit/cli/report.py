@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     lower = sorted({op for r in comparison.results.values() for op in r.timeline.meta.get("lower_bound_ops") or ()})
     if lower:
         body.append(
-            "<p class='note'><b>Lower bound:</b> these ops allocate buffers inside their kernels that memkit does "
-            f"not model on this machine's CPU path, so the true peaks may be higher: {html.escape(', '.join(lower))}"
+            "<p class='note'><b>Lower bound:</b> these ops allocate buffers inside their kernels that memkit could "
+            "neither compute nor learn here (MEMKIT_LEARN_WORKSPACE=0, or a call over MEMKIT_LEARN_MAX_BYTES), so "
+            f"the true peaks may be higher: {html.escape(', '.join(lower))}"
             "</p>"
         )
     for (heading, _), part in zip(figures, parts, strict=True):
