@@ -19,7 +19,7 @@ import time
 import torch
 
 import memkit
-from memkit.memory import track
+from memkit.memory import allocator_window, track
 from memkit.memory.workspace import cpu_path, learned
 
 from . import Section, Table, log
@@ -34,28 +34,6 @@ CASES = (
 )
 
 
-def _profiled_peak(fn) -> int:
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-
-    def walk(nodes):
-        for n in nodes:
-            if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
-                events.append((n.start_time_ns, n.extra_fields.alloc_size))
-            walk(n.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak
-
-
 def _tracked(model, inputs, opt, step):
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -66,7 +44,9 @@ def _tracked(model, inputs, opt, step):
             step()
         out["tl"] = tl
 
-    peak = _profiled_peak(run)
+    with allocator_window() as window:
+        run()
+    peak = window.peak_bytes
     tl = out["tl"]
     return tl.peak_bytes - tl.baseline_bytes, peak, tl.meta["lower_bound_ops"]
 

@@ -61,30 +61,16 @@ def measure(op: str, args, kwargs, threads: int) -> int:
     """Peak minus end of the CPU allocator's bytes over one call of ``op`` (0 when it allocates nothing
     beyond its outputs)."""
     import torch
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+
+    from memkit.memory.allocator import allocator_window
 
     torch.set_num_threads(threads)
     func = _resolve(op)
     args, kwargs = _rebuild(args), {k: _rebuild(v) for k, v in kwargs.items()}
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocator_window() as window:
         out = func(*args, **kwargs)
     del out
-    events = []
-
-    def walk(nodes):
-        for n in nodes:
-            if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
-                events.append((n.start_time_ns, n.extra_fields.alloc_size))
-            walk(n.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    events.sort(key=lambda e: e[0])
-    live = peak = 0
-    for _, size in events:
-        live += size
-        peak = max(peak, live)
-    return peak - live
+    return window.peak_bytes - window.end_bytes
 
 
 def _read(stream) -> object | None:
