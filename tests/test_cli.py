@@ -129,10 +129,19 @@ def test_unknown_preset_exits_2_with_the_list(capsys):
 
 
 def test_refused_checkpointing_pattern_names_the_allowed_ones(capsys):
-    code, _, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--checkpointing", "every:2")
+    code, _, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--checkpointing", "every:two")
     assert code == 2
-    assert "--checkpointing every:2" in err and "['all']" in err
+    assert "--checkpointing every:two" in err and "'every:N', 'skip-every:N'" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_checkpointing_patterns_and_providers_on_the_command_line(capsys):
+    code, out, _ = _run(
+        capsys, "estimate", PRESET, "--size", "tiny", "--training", "--checkpointing", "every:2@selective"
+    )
+    assert code == 0 and "checkpointing:every:2@selective" in out
+    code, _, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--checkpointing", "all@moon")
+    assert code == 2 and "provider must be one of ['torch', 'selective']" in err
 
 
 @pytest.mark.parametrize(

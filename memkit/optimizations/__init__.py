@@ -107,11 +107,12 @@ register(
     Spec(
         name="checkpointing",
         config=Checkpointing,
-        summary="recompute transformer blocks' activations in the backward instead of storing them: activation "
-        "memory drops to about one block's worth for ~20-35% more step time; nothing in inference",
-        metavar="PATTERN",
-        choices=("all",),
-        report=("all",),
+        summary="recompute chosen blocks' activations in the backward instead of storing them: 'all' drops "
+        "activation memory to about one block's worth for ~20-35% more step time, 'every:N' trades part of it; "
+        "'@selective' keeps matmul/attention outputs; nothing in inference",
+        metavar="PATTERN[@PROVIDER]",
+        choices=("all", "every:2", "every:4", "skip-every:4", "all@selective", "none"),
+        report=("all", "every:2"),
     )
 )
 

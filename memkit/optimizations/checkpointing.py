@@ -1,14 +1,27 @@
-"""Gradient (activation) checkpointing as a memkit optimization.
+"""Gradient (activation) checkpointing as a memkit optimization, block by block.
 
 Checkpointing a block keeps only its inputs during the forward and recomputes its activations during the
 backward: activation memory drops to about one block's worth, at the cost of a second forward through the
-checkpointed blocks (~20–35% more step time for "all"; diffusers PR #10611's LTX-Video table: 26.7 GB →
-9.3 GB at 1.68 → 1.36 it/s). It does nothing in inference (no backward, nothing kept), and nothing on a
-model whose blocks diffusers cannot checkpoint (that raises instead).
+checkpointed blocks (~20–35% more step time for "all"). Checkpointing only some blocks is a trade between
+the two ends (diffusers PR #10611's LTX-Video table: none 26.7 GB at 1.68 it/s, every 4th 22.2 GB at 1.66,
+every 2nd 17.7 GB at 1.54, all 9.3 GB at 1.36). It does nothing in inference (no backward, nothing kept).
+
+Blocks: on a diffusers model, the modules its own forward hands to ``_gradient_checkpointing_func`` (the
+transformer blocks; UNet's resnets and attention transformer blocks), numbered in module order
+(``model.named_modules()``). On any other ``nn.Module``: the blocks of its longest ``nn.ModuleList``, or of the
+list ``blocks=`` names.
+
+Providers: ``"torch"``, non-reentrant ``torch.utils.checkpoint`` (diffusers' default); ``"selective"``, torch's
+selective activation checkpointing that keeps the outputs of matmuls, convolutions and attention (the
+expensive ops) and recomputes the rest (norms, activations, adds): more memory than ``"torch"``, much less
+recompute.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,68 +29,276 @@ import torch.utils.checkpoint
 
 from ..handle import Handle
 
-_PATTERNS = ("all",)
+PATTERN_FORMS = ("none", "all", "every:N", "skip-every:N", "first:K", "last:K")
+"""The string forms of a pattern; a tuple of block indices or a callable ``(index, block) -> bool`` also work."""
+PROVIDERS = ("torch", "selective")
+
+_FORM = re.compile(r"^(every|skip-every|first|last):(\d+)$")
+_aten = torch.ops.aten
+# Outputs selective checkpointing keeps: the ops that cost compute; everything else is recomputed.
+_SAVE = {
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "convolution",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(_aten, name)
+}
 
 
-def _checkpoint(module: torch.nn.Module, *args):
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _run_checkpointed(provider: str, fn: Callable, *args, **kwargs):
+    if provider == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _check_pattern(pattern) -> None:
+    if callable(pattern):
+        return
+    if isinstance(pattern, str):
+        if pattern in ("none", "all"):
+            return
+        m = _FORM.match(pattern)
+        if m and int(m.group(2)) >= 1:
+            return
+        raise ValueError(
+            f"pattern must be one of {list(PATTERN_FORMS)} (N, K >= 1), a tuple of block indices or a "
+            f"callable (index, block) -> bool, got {pattern!r}"
+        )
+    if isinstance(pattern, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in pattern):
+        return
+    raise TypeError(
+        f"pattern must be a string, a sequence of block indices or a callable, got {type(pattern).__name__}"
+    )
+
+
+def _selected(pattern, blocks: Sequence[torch.nn.Module]) -> list[bool]:
+    n = len(blocks)
+    if callable(pattern):
+        return [bool(pattern(i, b)) for i, b in enumerate(blocks)]
+    if pattern == "none":
+        return [False] * n
+    if pattern == "all":
+        return [True] * n
+    if isinstance(pattern, str):
+        form, k = _FORM.match(pattern).groups()
+        k = int(k)
+        rule = {
+            "every": lambda i: i % k == 0,
+            "skip-every": lambda i: i % k != 0,
+            "first": lambda i: i < k,
+            "last": lambda i: i >= n - k,
+        }[form]
+        if form in ("first", "last") and k > n:
+            raise ValueError(f"pattern {pattern!r} names {k} blocks, but the model has {n}")
+        return [rule(i) for i in range(n)]
+    bad = [i for i in pattern if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"pattern names blocks {bad} that do not exist: the model has {n} blocks (0..{n - 1})")
+    chosen = set(pattern)
+    return [i in chosen for i in range(n)]
+
+
+# The lists whose elements diffusers' forwards hand to ``_gradient_checkpointing_func``: transformer blocks
+# (``transformer_blocks``, ``single_transformer_blocks``, ``blocks``) and UNet's ``resnets`` (its attention
+# blocks are ``transformer_blocks`` inside a Transformer2DModel). Up/downsamplers are never checkpointed.
+_BLOCK_LISTS = re.compile(r"(^|_)blocks$|^resnets$")
+
+
+def diffusers_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules a diffusers model hands to its checkpointing function, in module order: the elements of the
+    block lists (``*blocks``, ``resnets``) of modules that have a ``gradient_checkpointing`` flag, except
+    containers whose own submodules checkpoint (UNet's down/up blocks). UNet's mid-block runs its first resnet
+    outside diffusers' checkpointing: it is numbered, but checkpointing it changes nothing.
+
+    Example:
+        >>> [name for name, _ in diffusers_blocks(memkit.load_model("flux"))]
+        ['transformer_blocks.0', 'single_transformer_blocks.0']
+    """
+    out = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "gradient_checkpointing"):
+            continue
+        for child_name, child in module.named_children():
+            if not isinstance(child, torch.nn.ModuleList) or not _BLOCK_LISTS.search(child_name):
+                continue
+            for i, block in enumerate(child):
+                if any(hasattr(m, "gradient_checkpointing") for m in block.modules()):
+                    continue  # a container: its own submodules are the blocks
+                out.append((".".join(p for p in (name, child_name, str(i)) if p), block))
+    return out
+
+
+def module_list_blocks(model: torch.nn.Module, blocks: str | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """The blocks of a plain ``nn.Module``: its ``nn.ModuleList`` named ``blocks``, or its longest one.
+
+    Example:
+        >>> module_list_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 3)))
+    """
+    lists = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)}
+    if blocks is not None:
+        if blocks not in lists:
+            raise ValueError(
+                f"blocks must name a non-empty nn.ModuleList of the model, one of {sorted(lists)}, got {blocks!r}"
+            )
+        name = blocks
+    else:
+        if not lists:
+            raise ValueError(
+                f"model ({type(model).__name__}) has no nn.ModuleList of blocks to checkpoint and is not "
+                "a diffusers model that supports gradient checkpointing"
+            )
+        name = max(lists, key=lambda n: len(lists[n]))  # the first of the longest
+    return [(f"{name}.{i}", b) for i, b in enumerate(lists[name])]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpointing:
-    """Recompute transformer blocks' activations in the backward instead of storing them.
+    """Recompute chosen blocks' activations in the backward instead of storing them.
 
-    Wraps diffusers' own ``enable_gradient_checkpointing`` (non-reentrant ``torch.utils.checkpoint``), so
-    the model runs exactly the code path diffusers users run. ``remove()`` restores each module's previous
-    checkpointing flag and function.
+    On a diffusers model it works through diffusers' own ``enable_gradient_checkpointing``, deciding per block,
+    so the model runs the code path diffusers users run; on another module it wraps the chosen blocks'
+    ``forward``. ``remove()`` restores each module's previous checkpointing flag and function, and every
+    wrapped ``forward``.
 
     Example:
-        >>> handle = memkit.Checkpointing(pattern="all").apply(model)
-        >>> memkit.train_step(model, inputs)   # lower activation peak, one extra forward per block
+        >>> handle = memkit.Checkpointing(pattern="every:2").apply(model)
+        >>> memkit.train_step(model, inputs)   # about half the blocks' activations, half the extra forward
         >>> handle.remove()
     """
 
-    pattern: str = "all"
-    """Which blocks to checkpoint. ``"all"``: every block diffusers can checkpoint."""
+    pattern: str | tuple[int, ...] | Callable[[int, torch.nn.Module], bool] = "all"
+    """Which blocks: ``"all"``, ``"none"``, ``"every:N"`` (blocks 0, N, 2N, ...), ``"skip-every:N"`` (all but
+    those), ``"first:K"``, ``"last:K"``, a tuple of block indices, or a callable ``(index, block) -> bool``."""
+    provider: str = "torch"
+    """How a chosen block is checkpointed: ``"torch"`` (recompute everything) or ``"selective"`` (keep matmul,
+    convolution and attention outputs, recompute the rest)."""
+    blocks: str | None = None
+    """For a model that is not a diffusers model: the name of its ``nn.ModuleList`` of blocks (default: the
+    longest)."""
 
     def __post_init__(self) -> None:
-        if self.pattern not in _PATTERNS:
-            raise ValueError(f"pattern must be one of {list(_PATTERNS)}, got {self.pattern!r}")
+        _check_pattern(self.pattern)
+        if isinstance(self.pattern, list):
+            object.__setattr__(self, "pattern", tuple(self.pattern))
+        if self.provider not in PROVIDERS:
+            raise ValueError(f"provider must be one of {list(PROVIDERS)}, got {self.provider!r}")
+        if self.blocks is not None and not isinstance(self.blocks, str):
+            raise TypeError(f"blocks must be the name of an nn.ModuleList or None, got {type(self.blocks).__name__}")
+
+    def select(self, model: torch.nn.Module) -> list[tuple[str, bool]]:
+        """Every block of ``model`` by name, and whether this pattern checkpoints it.
+
+        Example:
+            >>> memkit.Checkpointing(pattern="every:2").select(model)
+            [('transformer_blocks.0', True), ('transformer_blocks.1', False), ...]
+        """
+        blocks = self._blocks(model)
+        return [
+            (name, chosen)
+            for (name, _), chosen in zip(blocks, _selected(self.pattern, [b for _, b in blocks]), strict=True)
+        ]
+
+    def _blocks(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        if getattr(model, "_supports_gradient_checkpointing", False) and self.blocks is None:
+            return diffusers_blocks(model)
+        return module_list_blocks(model, self.blocks)
 
     def apply(self, model: torch.nn.Module) -> Handle:
-        """Turn checkpointing on for ``model``; returns the handle that turns it back off."""
-        if not getattr(model, "_supports_gradient_checkpointing", False):
-            raise ValueError(
-                f"model ({type(model).__name__}) does not support gradient checkpointing: it must be a diffusers "
-                "model with `_supports_gradient_checkpointing = True`"
-            )
+        """Turn checkpointing on for the chosen blocks of ``model``; returns the handle that turns it off."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        blocks = self._blocks(model)
+        chosen = _selected(self.pattern, [b for _, b in blocks])
+        if getattr(model, "_supports_gradient_checkpointing", False) and self.blocks is None:
+            return self._apply_diffusers(model, {id(b) for (_, b), c in zip(blocks, chosen, strict=True) if c})
+        return self._apply_wrapped([b for (_, b), c in zip(blocks, chosen, strict=True) if c])
+
+    def _apply_diffusers(self, model: torch.nn.Module, chosen: set[int]) -> Handle:
         missing = object()
         saved = [
             (m, m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", missing))
             for m in model.modules()
             if hasattr(m, "gradient_checkpointing")
         ]
-        model.enable_gradient_checkpointing(gradient_checkpointing_func=_checkpoint)
+        provider = self.provider
+
+        def func(module, *args, **kwargs):
+            if id(module) in chosen:
+                return _run_checkpointed(provider, module.__call__, *args, **kwargs)
+            return module(*args, **kwargs)
+
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=func)
 
         def undo() -> None:
-            for m, flag, func in saved:
+            for m, flag, old in saved:
                 m.gradient_checkpointing = flag
-                if func is missing:
+                if old is missing:
                     del m._gradient_checkpointing_func
                 else:
-                    m._gradient_checkpointing_func = func
+                    m._gradient_checkpointing_func = old
+
+        return Handle(undo, name=str(self))
+
+    def _apply_wrapped(self, blocks: list[torch.nn.Module]) -> Handle:
+        provider = self.provider
+        previous = []
+        for block in blocks:
+            had = "forward" in vars(block)
+            original = block.forward
+
+            def forward(*args, _original=original, **kwargs):
+                if torch.is_grad_enabled():
+                    return _run_checkpointed(provider, _original, *args, **kwargs)
+                return _original(*args, **kwargs)
+
+            previous.append((block, had, vars(block).get("forward")))
+            block.forward = forward
+
+        def undo() -> None:
+            for block, had, old in reversed(previous):
+                if had:
+                    block.forward = old
+                else:
+                    del block.forward
 
         return Handle(undo, name=str(self))
 
     @classmethod
     def parse(cls, value: str) -> Checkpointing:
-        """The config a command-line or widget value names: ``"all"``.
+        """The config a command-line or widget value names: ``PATTERN[@PROVIDER]``, e.g. ``"every:2"``,
+        ``"all@selective"``.
 
         Example:
-            >>> memkit.Checkpointing.parse("all")
-            Checkpointing(pattern='all')
+            >>> memkit.Checkpointing.parse("every:2@selective")
+            Checkpointing(pattern='every:2', provider='selective', blocks=None)
         """
-        return cls(pattern=value)
+        if not isinstance(value, str):
+            raise TypeError(f"value must be a string such as 'every:2' or 'all@selective', got {type(value).__name__}")
+        pattern, _, provider = value.partition("@")
+        return cls(pattern=pattern, provider=provider or "torch")
 
     def __str__(self) -> str:
-        return f"checkpointing:{self.pattern}"
+        if isinstance(self.pattern, str):
+            pattern = self.pattern
+        elif callable(self.pattern):
+            pattern = getattr(self.pattern, "__name__", "custom")
+        else:
+            pattern = ",".join(map(str, self.pattern))
+        return f"checkpointing:{pattern}" + ("" if self.provider == "torch" else f"@{self.provider}")
