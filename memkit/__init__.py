@@ -41,6 +41,8 @@ _EXPORTS = {
     "Handle": ".handle",
     "Optimization": ".handle",
     "Checkpointing": ".optimizations",
+    "CheckpointPlan": ".optimizations.checkpoint_plan",
+    "plan_checkpointing": ".optimizations.checkpoint_plan",
     "EMA": ".optimizations.ema",
     "FFSplit": ".optimizations.feedforward",
     "compare": ".comparison",
@@ -53,6 +55,7 @@ _SUBMODULES = ("memory", "optimizations", "plots", "step", "models", "presets", 
 
 __all__ = [
     "CATEGORIES",
+    "CheckpointPlan",
     "Checkpointing",
     "Comparison",
     "EMA",
@@ -72,6 +75,7 @@ __all__ = [
     "make_inputs",
     "memory",
     "optimizations",
+    "plan_checkpointing",
     "plots",
     "track",
     "train_step",
@@ -87,6 +91,7 @@ if TYPE_CHECKING:
     from .memory.tracker import track
     from .models import load_model, make_inputs
     from .optimizations import Checkpointing
+    from .optimizations.checkpoint_plan import CheckpointPlan, plan_checkpointing
     from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
     from .presets import PRESETS, SIZES

@@ -41,3 +41,26 @@ def format_bytes(nbytes: float) -> str:
     unit = best_unit(nbytes)
     value = nbytes / UNITS[unit]
     return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+
+
+def parse_bytes(text: str) -> int:
+    """A size a person types, in bytes: ``"40GiB"``, ``"512 MiB"``, ``"1.5GiB"``, ``"123"`` (bytes).
+
+    Example:
+        >>> parse_bytes("40GiB")
+        42949672960
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"a size must be a string such as '40GiB', got {type(text).__name__}")
+    s = text.strip()
+    unit = next((u for u in ("GiB", "MiB", "KiB", "B") if s.endswith(u)), None)
+    number = s[: -len(unit)].strip() if unit else s
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(
+            f"a size must be a number with an optional unit {list(UNITS)}, e.g. '40GiB', got {text!r}"
+        ) from None
+    if value <= 0 or value != value or value == float("inf"):
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return int(value * UNITS[unit or "B"])

@@ -144,6 +144,25 @@ def test_checkpointing_patterns_and_providers_on_the_command_line(capsys):
     assert code == 2 and "provider must be one of ['torch', 'selective']" in err
 
 
+def test_checkpointing_auto_fits_a_budget(capsys):
+    code, out, _ = _run(capsys, "estimate", "flux", "--size", "tiny", "--checkpointing", "auto", "--budget", "1GiB")
+    assert code == 0 and "checkpointing auto: checkpointing:none: 0 of 2 blocks" in out and "fits" in out
+    code, out, err = _run(
+        capsys, "estimate", "flux", "--size", "tiny", "--checkpointing", "auto@selective", "--budget", "1KiB", "--json"
+    )
+    assert code == 0 and "does NOT fit" in err
+    plan = json.loads(out)["checkpoint_plan"]
+    assert plan["blocks"] == 2 and plan["checkpointed"] == 2 and not plan["fits"]
+    for argv, message in (
+        (["--checkpointing", "auto"], "needs --budget SIZE"),
+        (["--budget", "1GiB"], "--budget goes with --checkpointing auto"),
+        (["--checkpointing", "auto", "--budget", "lots"], "--budget lots: a size must be"),
+        (["--checkpointing", "auto@moon", "--budget", "1GiB"], "provider must be one of"),
+    ):
+        code, _, err = _run(capsys, "estimate", "flux", "--size", "tiny", *argv)
+        assert code == 2 and message in err, (argv, err)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

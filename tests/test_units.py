@@ -17,3 +17,15 @@ def test_best_unit_and_format():
 def test_unknown_unit_names_the_allowed_ones():
     with pytest.raises(ValueError, match=r"unit must be one of \['B', 'KiB', 'MiB', 'GiB'\], got 'MB'"):
         unit_scale("MB")
+
+
+def test_parse_bytes():
+    from memkit.units import parse_bytes
+
+    assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("512 MiB") == 2**29 and parse_bytes("3") == 3
+    assert parse_bytes("1.5KiB") == 1536 and parse_bytes(" 7B ") == 7
+    for bad in ("", "GiB", "-1GiB", "1 TB", "nan"):
+        with pytest.raises(ValueError, match="a size must be"):
+            parse_bytes(bad)
+    with pytest.raises(TypeError, match="a size must be a string"):
+        parse_bytes(40)

@@ -108,6 +108,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  memkit estimate flux                          # full Flux, bf16 AdamW training step, GiB\n"
         "  memkit estimate flux --checkpointing all      # the same with gradient checkpointing\n"
+        "  memkit estimate ltx-video --checkpointing auto --budget 20GiB   # the fewest blocks that fit\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n\n" + _presets_epilog(),
         formatter_class=_Formatter,
@@ -154,6 +155,13 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     group = p.add_argument_group("optimizations (several compose, applied in this order)")
     specs = optimization_specs()
     add_optimization_flags(group, specs)
+    group.add_argument(
+        "--budget",
+        metavar="SIZE",
+        default=None,
+        help="with --checkpointing auto[@PROVIDER]: the peak to fit (e.g. 40GiB); memkit checkpoints the fewest "
+        "blocks whose estimated peak fits (2 + log2(blocks) estimates)",
+    )
     p.add_argument("--unit", choices=tuple(UNITS), default="GiB", help="unit of the printed table")
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")
     p.add_argument("--png", metavar="FILE", help="write the memory timeline as a PNG (needs kaleido and Chromium)")

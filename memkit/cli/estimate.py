@@ -8,7 +8,7 @@ import sys
 
 import memkit
 
-from ..units import UNITS, best_unit
+from ..units import UNITS, best_unit, parse_bytes
 from ._common import (
     DTYPES,
     SIZE_FLAGS,
@@ -22,9 +22,33 @@ from ._common import (
 )
 
 
+def _auto_checkpointing(args: argparse.Namespace) -> tuple[int, str] | None:
+    """``--checkpointing auto[@PROVIDER] --budget SIZE``: (budget bytes, provider), and the flag taken off args."""
+    value = getattr(args, "opt_checkpointing", None)
+    is_auto = isinstance(value, str) and value.partition("@")[0] == "auto"
+    if not is_auto:
+        if args.budget is not None:
+            raise CLIError("--budget goes with --checkpointing auto (the budget the pattern is chosen for)")
+        return None
+    if args.budget is None:
+        raise CLIError("--checkpointing auto needs --budget SIZE, e.g. --budget 40GiB")
+    try:
+        budget = parse_bytes(args.budget)
+    except ValueError as e:
+        raise CLIError(f"--budget {args.budget}: {e}") from None
+    provider = value.partition("@")[2] or "torch"
+    if provider not in memkit.optimizations.checkpointing.PROVIDERS:
+        raise CLIError(
+            f"--checkpointing {value}: provider must be one of {list(memkit.optimizations.checkpointing.PROVIDERS)}"
+        )
+    args.opt_checkpointing = None
+    return budget, provider
+
+
 def run(args: argparse.Namespace) -> int:
     """``memkit estimate``: a full-size step on fake tensors, printed as a table or JSON."""
     check_preset(args.preset)
+    auto = _auto_checkpointing(args)
     optimizations = optimizations_from(args, args.optimization_specs)
     training = args.mode == "training"
     optimizer = args.optimizer
@@ -41,19 +65,26 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{flags} does not apply to {args.preset!r}; it takes {accepted}")
     check_writable(args.html)
     check_writable(args.png)
+    settings = dict(
+        mode=args.mode,
+        dtype=DTYPES[args.dtype],
+        size=args.size,
+        optimizer=optimizer,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        device=args.device,
+        **sizes,
+    )
+    plan = None
     try:
-        timeline = memkit.estimate(
-            args.preset,
-            mode=args.mode,
-            optimizations=optimizations,
-            dtype=DTYPES[args.dtype],
-            size=args.size,
-            optimizer=optimizer,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            device=args.device,
-            **sizes,
-        )
+        if auto is not None:
+            budget, provider = auto
+            plan = memkit.plan_checkpointing(
+                args.preset, budget, provider=provider, optimizations=tuple(optimizations), **settings
+            )
+            optimizations = [*optimizations, plan.config]
+            print(f"checkpointing auto: {plan}", file=sys.stderr if args.json else sys.stdout)
+        timeline = memkit.estimate(args.preset, optimizations=optimizations, **settings)
     except ValueError as e:  # sizes that do not fit the model, an optimization the model refuses
         raise CLIError(str(e)) from None
     meta = timeline.meta
@@ -74,9 +105,19 @@ def run(args: argparse.Namespace) -> int:
         "baseline_bytes": timeline.baseline_bytes,
         "peak_bytes": timeline.peak_bytes,
         "peak_by_category": timeline.peak_by_category(),
+        "host_bytes": dict(meta.get("host_bytes") or {}),
         "seconds": meta["seconds"],
         "lower_bound_ops": list(meta.get("lower_bound_ops") or []),
     }
+    if plan is not None:
+        result["checkpoint_plan"] = {
+            "budget_bytes": plan.budget_bytes,
+            "blocks": plan.blocks,
+            "checkpointed": plan.checkpointed,
+            "fits": plan.fits,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "tried": [list(t) for t in plan.tried],
+        }
     out = sys.stderr if args.json else sys.stdout
     if args.html or args.png:
         from ..plots import timeline_figure
@@ -107,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
         (f"peak ({args.unit})", f"{timeline.peak_bytes / div:{num}}"),
     ]
     rows += [(f"  {c}", f"{v / div:{num}}") for c, v in result["peak_by_category"].items() if v]
+    if any(result["host_bytes"].values()):  # e.g. an offloaded EMA: in CPU memory, so not in the GPU peak
+        rows.append((f"in CPU memory, off the GPU peak ({args.unit})", ""))
+        rows += [(f"  {c}", f"{v / div:{num}}") for c, v in result["host_bytes"].items() if v]
     rows.append(("estimated in", f"{meta['seconds']:.1f} s ({len(timeline):,} events)"))
     print(rows_text(rows))
     if result["lower_bound_ops"]:
