@@ -182,11 +182,14 @@ def test_record_stacks_interns_the_callers_lines():
     frame = alloc_of(tl, a)["frame"]
     lines = frame.split("\n")
     assert len(lines) == 8  # the innermost 8 frames outside torch and memkit
-    assert lines[-1].endswith(" make") and "test_tracker_fast.py:" in lines[-1]
-    assert lines[-2].endswith(" test_record_stacks_interns_the_callers_lines")
+    mine = [ln for ln in lines if "/mutmut/" not in ln]  # (mutation testing adds its trampolines' frames)
+    assert mine[-1].endswith(" make") and "test_tracker_fast.py:" in mine[-1]
+    assert mine[-2].endswith(" test_record_stacks_interns_the_callers_lines")
     assert not any("/torch/" in ln or "/memkit/memory/" in ln for ln in lines)
     internal = [r for r in events(tl) if r["storage"] == -1]
-    assert internal and all(r["frame"] is not None and r["frame"].endswith("callers_lines") for r in internal)
+    for r in internal:
+        assert [ln for ln in r["frame"].split("\n") if "/mutmut/" not in ln][-1].endswith("callers_lines")
+    assert len(internal) == 2
     del a
 
 
