@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_tracker import assert_equals_profiler, tracked_and_profiled
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import memkit.memory.tracker as tracker_module
@@ -21,6 +22,12 @@ from memkit.memory.tracker import Tracker
 from memkit.memory.workspace import cpu_path as cp
 
 RNG_BYTES = torch.get_rng_state().untyped_storage().nbytes()
+
+
+# The profiler's first session in a process costs seconds: paid once here, at import (mutation testing forks each
+# mutant's test run from a process that imported this file).
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+    torch.ones(1)
 
 
 def nbytes(*tensors) -> int:
