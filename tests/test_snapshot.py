@@ -198,6 +198,19 @@ def test_profiler_categories_are_understood_and_a_free_takes_its_allocs():
     assert tl.peak_by_category()["activation"] == 64
 
 
+def test_categories_that_memkit_does_not_know_or_that_are_damaged_read_as_the_default():
+    trace = [
+        entry("alloc", BASE, 64, 1, category="activation"),
+        entry("alloc", BASE + 512, 32, 2),  # no category beside ones that have one
+        entry("alloc", BASE + 1024, 16, 3, category="weights"),  # not one of memkit's
+        entry("alloc", BASE + 1536, 8, 4, category=["activation"]),  # damaged
+        entry("alloc", BASE + 2048, 4, 5, category=3),
+    ]
+    tl = read_snapshot({"segments": [], "device_traces": [trace]}, default_category="parameter")
+    assert [CATEGORIES[c] for c in tl.column("category")] == ["activation"] + ["parameter"] * 4
+    assert tl.meta["free_action"] == {"cuda:0": "free_completed"}  # no free at all: torch's default
+
+
 def test_a_bare_list_of_segments_is_the_state_without_a_trace():
     tl = read_snapshot(hand_snapshot()["segments"])
     assert len(tl) == 0
@@ -492,6 +505,16 @@ def test_a_valid_snapshot_dict_holding_a_global_is_refused():
         load_snapshot(io.BytesIO(evil))
 
 
+def test_refusals_say_that_nothing_was_run_and_what_a_snapshot_holds():
+    evil = pickle.dumps({"segments": [], "device_traces": [[RunsCommand(print, "hi")]]})
+    with pytest.raises(SnapshotError) as info:
+        read_snapshot(evil)
+    assert str(info.value).endswith(
+        "a memory snapshot holds only dicts, lists, strings and numbers, so this pickle is not one (it may have "
+        "been crafted to run code; nothing was run)"
+    )
+
+
 def test_a_persistent_id_is_refused():
     class P(pickle.Pickler):
         def persistent_id(self, obj):
@@ -499,7 +522,9 @@ def test_a_persistent_id_is_refused():
 
     buf = io.BytesIO()
     P(buf, protocol=4).dump({"segments": [], "device_traces": [["secret"]]})
-    with pytest.raises(SnapshotError, match="persistent id"):
+    with pytest.raises(
+        SnapshotError, match=r"^refused a persistent id: a memory snapshot has none, so this pickle is not one$"
+    ):
         read_snapshot(buf.getvalue())
 
 
@@ -518,6 +543,28 @@ def test_truncated_random_and_empty_bytes_raise_snapshot_errors(tmp_path):
     path.write_bytes(good[:100])
     with pytest.raises(SnapshotError, match=r"cut\.pickle.* truncated"):
         read_snapshot(path)
+
+
+def test_a_file_that_is_no_pickle_and_one_cut_short_say_which_and_why(tmp_path):
+    path = tmp_path / "snapshot.json"  # the wrong file
+    path.write_text('{"segments": [], "device_traces": []}')
+    with pytest.raises(SnapshotError, match=r"snapshot\.json' is corrupted or not a pickle: UnpicklingError: invalid"):
+        read_snapshot(path)
+    cut = pickle.dumps(hand_snapshot(), protocol=4)[:-40]  # inside the pickle's frame: no EOFError here
+    with pytest.raises(SnapshotError, match=r"^the snapshot bytes is truncated: UnpicklingError: pickle data was"):
+        read_snapshot(cut)
+
+
+def test_a_malformed_entry_is_quoted_in_the_error_cut_at_120_characters():
+    long = {"action": "alloc", "size": 8, "note": "x" * 300}  # lacks addr
+    for bad, what in (
+        (long, "(alloc) lacks 'addr' or 'size'"),
+        ({"size": 8, "note": "y" * 300}, "is not a trace entry"),
+    ):
+        with pytest.raises(SnapshotError) as info:
+            read_snapshot({"segments": [], "device_traces": [[entry("alloc", BASE, 8, 1), bad]]})
+        message = str(info.value)
+        assert f"device_traces[0][1] {what}" in message and message.endswith(": " + str(bad)[:120])
 
 
 def test_other_pickles_and_malformed_snapshots_name_what_is_wrong():

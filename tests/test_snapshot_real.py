@@ -553,3 +553,26 @@ def test_a_free_takes_the_phase_of_its_moment_not_of_its_allocations_stack():
     tl = read_snapshot(snapshot_of([g]))
     assert [PHASES[p] for p in tl.column("phase")] == ["forward", "backward", "backward"]
     assert tl.phase_spans() == [("forward", 0.0, 1e-6), ("backward", 1e-6, 2e-6)]
+
+
+def test_blocks_are_counted_by_power_of_two_size_range_and_state():
+    sizes = [(256, "inactive"), (512, "active_allocated"), (1000, "inactive"), (1024, "active_allocated")]
+    sizes += [(1536, "active_allocated"), (MiB, "inactive"), (3 * MiB, "active_allocated"), (GiB, "active_allocated")]
+    sizes += [(3 * GiB, "active_pending_free")]  # 256 B: no block torch's allocator makes, but it reads
+    blocks, addr = [], 0x7F00_0000_0000
+    for size, state in sizes:
+        blocks.append({"address": addr, "size": size, "requested_size": size, "state": state, "frames": []})
+        addr += size
+    seg = {"device": 0, "address": 0x7F00_0000_0000, "total_size": addr - 0x7F00_0000_0000, "stream": 0,
+           "blocks": blocks}  # fmt: skip
+    tl = read_snapshot(pickled([seg]))
+    assert tl.meta["segments"]["cuda:0"]["blocks_by_size"] == {
+        "<512 B": {"inactive": 1},
+        "512-1024 B": {"active_allocated": 1, "inactive": 1},
+        "1-2 KiB": {"active_allocated": 2},
+        "1-2 MiB": {"inactive": 1},
+        "2-4 MiB": {"active_allocated": 1},
+        "1-2 GiB": {"active_allocated": 1},
+        "2-4 GiB": {"active_pending_free": 1},
+    }
+    assert tl.meta["segments"]["cuda:0"]["largest_inactive_block"] == MiB

@@ -518,6 +518,7 @@ def test_gradients_optimizer_state_parameters_and_buffers():
     grads_before = [p.grad for p in params if p.grad is not None]
     assert len(grads_before) == 5 and frozen.weight.grad is None
     with track(net, optimizer=opt, inputs={"x": x, "n": 3}) as tl:
+        assert tl.baseline_by_category["gradient"] == nbytes(*grads_before)  # before any backward
         net(x).sum().backward()
         opt.step()
     base = tl.baseline_by_category
@@ -768,3 +769,98 @@ def test_snapshot_versions_and_meta():
     assert version2 != version and meta["devices"] == ["cpu"] and meta["ops"] == ["aten.ones.default"]
     assert meta["frames"] == [] and list(columns["bytes"]) == [12]
     del a
+
+
+def test_nested_modules_and_nested_optimizer_steps_keep_their_phase_until_the_outermost_returns():
+    opt_inner = torch.optim.SGD([nn.Parameter(torch.randn(2))], lr=0.1)
+    opt_outer = torch.optim.SGD([nn.Parameter(torch.randn(2))], lr=0.1)
+    got = {}
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(2, 2))
+            self.unused = nn.BatchNorm1d(50)  # a child its forward never calls (parameters and buffers)
+
+        def forward(self, x):
+            h = self.inner(x)
+            got["after_child"] = torch.empty(3)  # still in the outer forward
+            return h
+
+    def closure():
+        opt_inner.step()
+        got["after_inner_step"] = torch.empty(4)  # still in the outer step
+
+    net = Outer()
+    with torch.no_grad(), track() as tl:
+        net(torch.ones(2))
+        got["after_forward"] = torch.empty(5)
+        opt_outer.step(closure)
+        got["after_step"] = torch.empty(6)
+    phases = {name: alloc_of(tl, t)["phase"] for name, t in got.items()}
+    assert phases == {
+        "after_child": "forward",
+        "after_forward": "other",
+        "after_inner_step": "optimizer",
+        "after_step": "other",
+    }
+    # the forward hooks register the modules that run, not their unused children
+    assert tl.baseline_by_category["parameter"] == nbytes(*net.inner.parameters())
+    assert tl.baseline_by_category["buffer"] == 0
+
+
+def test_a_module_run_twice_is_registered_and_hooked_once():
+    lin = nn.Linear(3, 3)
+    x = torch.randn(3)
+    with track() as tl:
+        lin(x)
+        lin(x)
+        assert [len(p._post_accumulate_grad_hooks or {}) for p in lin.parameters()] == [1, 1]
+        lin(x).sum().backward()
+    assert tl.baseline_by_category["parameter"] == nbytes(*lin.parameters())
+    assert alloc_of(tl, lin.weight.grad)["category"] == "gradient"
+
+
+def test_tag_takes_one_tensor_or_an_iterable():
+    scalar = torch.tensor(1.5)  # 0-dim: not iterable
+    pair = (torch.zeros(3), torch.zeros(4))
+    with track() as tl:
+        tag(scalar, "ema")
+        tag(iter(pair), "buffer")
+        tag([], "ema")
+    assert tl.baseline_by_category["ema"] == nbytes(scalar)
+    assert tl.baseline_by_category["buffer"] == nbytes(*pair)
+
+
+def test_pre_window_storages_tagged_one_by_one_add_up():
+    a, b = torch.zeros(10), torch.zeros(20)
+    with track(inputs=[a, b]) as tl:
+        tag(a, "ema")
+        tag(b, "ema")
+    assert tl.baseline_by_category["ema"] == nbytes(a, b) and tl.baseline_by_category["input"] == 0
+
+
+def test_an_explicit_backward_phase_outside_autograd_with_a_saved_number_alive():
+    x = torch.randn(5, requires_grad=True)
+    with track(inputs=x) as tl:
+        y = x / 2.0  # a saved divisor is alive
+        with phase("backward"):  # no autograd node is running
+            z = x.detach() * 3.0
+    assert alloc_of(tl, z)["phase"] == "backward"
+    internal = [r for r in events(tl) if r["storage"] == -1 and r["phase"] == "backward"]
+    assert [r["bytes"] for r in internal] == [2 * 8 + 4] * 2  # the number, its copy, its cast: none reused
+    del y
+
+
+def test_learned_buffers_that_cannot_be_learned_are_flagged(monkeypatch):
+    from memkit.memory.workspace import learned
+
+    monkeypatch.setattr(cp, "cpu_path", lambda: _path(x86=False, aten_capability="SVE256", onednn_isa="NONE"))
+    monkeypatch.setattr(learned, "_cache", {})
+    monkeypatch.setattr(learned, "_ask", lambda op, args, kwargs, threads: {"aten::mm.default": 96}.get(op))
+    a, b = torch.randn(3, 4), torch.randn(4, 2)
+    with track(inputs=[a, b]) as tl:
+        torch.mm(a, b)  # learned: 96 bytes
+        torch.addmm(torch.zeros(2), a, b)  # the worker has no answer: flagged
+    assert tl.meta["lower_bound_ops"] == ["aten.addmm"]
+    assert [r["bytes"] for r in events(tl) if r["storage"] == -1] == [96, 96]

@@ -561,6 +561,10 @@ def test_measure_equals_the_profiler(threads):
     assert torch.get_num_threads() == threads
     a = learned._spec(torch.randn(8, 8), [0])
     assert worker.measure("aten::add.Tensor", (a, a), {"alpha": 2}, 1) == 0  # nothing beyond the output
+    # keyword arguments reach the op: mm.out writes into the given tensor (and cannot run without it)
+    assert worker.measure("aten::mm.out", (a, a), {"out": a}, 1) == 0
+    with pytest.raises(RuntimeError, match="alpha"):
+        worker.measure("aten::add.Tensor", (a, a), {"alpha": "two"}, 1)
 
 
 def test_main_answers_each_request_until_stdin_closes(monkeypatch):

@@ -23,7 +23,9 @@ _SEGMENT_ALIGN = 2 << 20  # large segments are multiples of 2 MiB
 
 
 def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
+    """Pickles without a global: builtin types only (numpy's float64 and str_ subclass float and str, but would
+    need numpy's globals, which the reader refuses and the viz cannot unpickle)."""
+    return value is None or type(value) in (bool, int, float, str)
 
 
 class _Addresses:
