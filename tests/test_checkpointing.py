@@ -64,7 +64,7 @@ def test_bad_patterns_providers_and_models_name_what_is_allowed():
             memkit.Checkpointing(pattern=bad)
     with pytest.raises(TypeError, match="pattern must be"):
         memkit.Checkpointing(pattern=2.5)
-    with pytest.raises(ValueError, match=r"provider must be one of \['torch', 'selective'\]"):
+    with pytest.raises(ValueError, match=r"provider must be one of \['torch', 'selective', 'offload'\]"):
         memkit.Checkpointing(provider="offload-to-moon")
     flux = memkit.load_model("flux")  # 2 blocks
     with pytest.raises(ValueError, match=r"blocks \[2\] that do not exist: the model has 2 blocks"):

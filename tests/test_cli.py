@@ -141,7 +141,7 @@ def test_checkpointing_patterns_and_providers_on_the_command_line(capsys):
     )
     assert code == 0 and "checkpointing:every:2@selective" in out
     code, _, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--checkpointing", "all@moon")
-    assert code == 2 and "provider must be one of ['torch', 'selective']" in err
+    assert code == 2 and "provider must be one of ['torch', 'selective', 'offload']" in err
 
 
 def test_checkpointing_auto_fits_a_budget(capsys):

@@ -864,3 +864,27 @@ def test_learned_buffers_that_cannot_be_learned_are_flagged(monkeypatch):
         torch.addmm(torch.zeros(2), a, b)  # the worker has no answer: flagged
     assert tl.meta["lower_bound_ops"] == ["aten.addmm"]
     assert [r["bytes"] for r in events(tl) if r["storage"] == -1] == [96, 96]
+
+
+def test_storages_made_off_device_are_host_memory_not_timeline():
+    from memkit.memory import off_device
+
+    a = torch.randn(16)
+    with track(inputs=a) as tl:
+        on = a.clone()  # 64 B on the device
+        with off_device():
+            h1 = a.clone()  # 64 B in host memory
+            h2 = torch.empty(32)  # 128 B: both alive, the host peak
+            view = h1[:4]  # a view: no new storage
+        del h1, view
+        h3 = h2.clone()  # outside again: on the device
+        del h2
+        with off_device():
+            h4 = torch.empty(8)  # 32 B: below the host peak
+    assert [r["bytes"] for r in events(tl) if r["action"] == ALLOC] == [64, 128]
+    assert tl.peak_bytes - tl.baseline_bytes == nbytes(on, h3)
+    assert tl.meta["host_peak_bytes"] == 64 + 128
+    del on, h3, h4
+    with track() as quiet:
+        torch.empty(4)
+    assert quiet.meta["host_peak_bytes"] == 0

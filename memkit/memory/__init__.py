@@ -28,6 +28,7 @@ _EXPORTS = {
     "read_snapshot": ".snapshot",
     "write_snapshot": ".snapshot_write",
     "Tracker": ".tracker",
+    "off_device": ".tracker",
     "phase": ".tracker",
     "tag": ".tracker",
     "track": ".tracker",
@@ -47,6 +48,7 @@ __all__ = [
     "cuda_history_available",
     "cuda_snapshot",
     "load_snapshot",
+    "off_device",
     "phase",
     "read_snapshot",
     "record_cuda_history",
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
     from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
-    from .tracker import Tracker, phase, tag, track, tracking
+    from .tracker import Tracker, off_device, phase, tag, track, tracking
 
 
 def __getattr__(name: str) -> Any:

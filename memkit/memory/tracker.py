@@ -16,6 +16,7 @@ storage's role becomes known: autograd puts it in ``param.grad`` (gradient), it 
 
 from __future__ import annotations
 
+import contextvars
 import time
 import traceback
 import weakref
@@ -59,6 +60,27 @@ def _watch_outside_dispatch(on: bool) -> None:
 
 
 _FRESH = {torch.ops.aten.lift_fresh.default}
+
+
+_OFF_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar("memkit_off_device", default=False)
+
+
+@contextmanager
+def off_device() -> Iterator[None]:
+    """Storages created inside live in host memory, not on the device the tracked step runs on: an optimization
+    that moves tensors off an accelerator (offloaded checkpoints) creates their host copies inside. Active
+    trackers leave them out of the timeline and count them in ``timeline.meta["host_peak_bytes"]`` (the most
+    alive at once). In an estimate for ``"cuda"`` the fake CPU tensors stand for device ones, so the same holds.
+
+    Example:
+        >>> with off_device():
+        ...     saved = x.to("cpu", non_blocking=True)
+    """
+    token = _OFF_DEVICE.set(True)
+    try:
+        yield
+    finally:
+        _OFF_DEVICE.reset(token)
 
 
 def _graph_task_running() -> bool:
@@ -128,6 +150,8 @@ class Tracker:
         self._synthetic_key = -1  # storage keys of those rows until the real storage is known: -2, -3, ...
         self._saved_by_node: dict[int, list[tuple[int, object]]] = {}  # node sequence nr -> (storage key, number)
         self._saved_node: dict[int, int] = {}  # storage key -> node sequence nr
+        self._host: dict[int, tuple[int, weakref.ref]] = {}  # storages created under off_device(): key -> bytes
+        self._host_bytes = self._host_peak = 0
         self._lower_bound: set[str] = set()  # ops that ran a kernel path whose internal buffers are not modelled
         self._devices: dict[torch.device | None, int] = {}
         self._t0 = time.perf_counter()
@@ -185,7 +209,7 @@ class Tracker:
                 for t in out if isinstance(out, (tuple, list)) else tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         self._new_storage(t, category, phase, op)
-        extra = workspace_fn(args, kwargs, out) if workspace_fn is not None else 0
+        extra = workspace_fn(args, kwargs, out) if workspace_fn is not None and not _OFF_DEVICE.get() else 0
         if extra and self._saved_by_node and phase == _BACKWARD and slots:
             extra -= self._reused_saved(args, slots)
         if extra:
@@ -249,10 +273,15 @@ class Tracker:
     def _new_storage(self, t: torch.Tensor, category: int, phase: int, op: int) -> None:
         s = t.untyped_storage()
         key = s._cdata
-        if key in self._live:
+        if key in self._live or key in self._host:
             return
         n = s.nbytes()
         if n == 0:
+            return
+        if _OFF_DEVICE.get():
+            self._host[key] = (n, weakref.ref(s, partial(self._on_host_free, key)))
+            self._host_bytes += n
+            self._host_peak = max(self._host_peak, self._host_bytes)
             return
         if self.alloc_granularity:
             n = self._round(n)
@@ -262,6 +291,11 @@ class Tracker:
         device = self._device_code(t.device)
         rows.append((time.perf_counter() - self._t0, ALLOC, n, category, phase, device, op, frame, key))
         self._live[key] = _Live(index, n, category, phase, weakref.ref(s, partial(self._on_free, key, device)))
+
+    def _on_host_free(self, key: int, _ref=None) -> None:
+        entry = self._host.pop(key, None)
+        if entry is not None:
+            self._host_bytes -= entry[0]
 
     def _on_free(self, key: int, device: int, _ref=None, row_key: int | None = None) -> None:
         entry = self._live.pop(key, None)
@@ -419,9 +453,11 @@ class Tracker:
                 h.remove()
             self._handles.clear()
             self.timeline.meta["lower_bound_ops"] = sorted(self._lower_bound)
+            self.timeline.meta["host_peak_bytes"] = self._host_peak
             self.timeline._freeze()
             self._closed = True
             self._live.clear()  # drops the weakrefs, so no callback runs for storages that die later
+            self._host.clear()
             self._pending.clear()
             self._saved_by_node.clear()
             self._saved_node.clear()

@@ -109,9 +109,10 @@ register(
         config=Checkpointing,
         summary="recompute chosen blocks' activations in the backward instead of storing them: 'all' drops "
         "activation memory to about one block's worth for ~20-35% more step time, 'every:N' trades part of it; "
-        "'@selective' keeps matmul/attention outputs; nothing in inference",
+        "'@selective' keeps matmul/attention outputs, '@offload' keeps the blocks' inputs in CPU memory; nothing in "
+        "inference",
         metavar="PATTERN[@PROVIDER]",
-        choices=("all", "every:2", "every:4", "skip-every:4", "all@selective", "none"),
+        choices=("all", "every:2", "every:4", "skip-every:4", "all@selective", "all@offload", "none"),
         report=("all", "every:2"),
     )
 )

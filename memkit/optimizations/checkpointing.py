@@ -14,24 +14,32 @@ list ``blocks=`` names.
 Providers: ``"torch"``, non-reentrant ``torch.utils.checkpoint`` (diffusers' default); ``"selective"``, torch's
 selective activation checkpointing that keeps the outputs of matmuls, convolutions and attention (the
 expensive ops) and recomputes the rest (norms, activations, adds): more memory than ``"torch"``, much less
-recompute.
+recompute; ``"offload"``, like ``"torch"`` but the inputs a block keeps for its recompute wait in CPU memory
+(copied down in the forward, pinned and non-blocking from CUDA, and back for the recompute): the device keeps
+none of a checkpointed block's inputs, for one host round trip of them per step. On the CPU it moves nothing and
+is ``"torch"``.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import sys
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
 from ..handle import Handle
+from ..memory.tracker import off_device
 
 PATTERN_FORMS = ("none", "all", "every:N", "skip-every:N", "first:K", "last:K")
 """The string forms of a pattern; a tuple of block indices or a callable ``(index, block) -> bool`` also work."""
-PROVIDERS = ("torch", "selective")
+PROVIDERS = ("torch", "selective", "offload")
 
 _FORM = re.compile(r"^(every|skip-every|first|last):(\d+)$")
 _aten = torch.ops.aten
@@ -59,7 +67,98 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _planned_cuda() -> bool:
+    # In an estimate for "cuda" the fake CPU tensors stand for device ones (memkit.estimation.planned_device;
+    # read through sys.modules: importing memkit.estimation would pull in diffusers)
+    estimation = sys.modules.get("memkit.estimation")
+    return estimation is not None and estimation.planned_device() == "cuda"
+
+
+def _offload_target(device: torch.device) -> torch.device | None:
+    """Where provider "offload" keeps the saved inputs of a block on ``device``: CPU memory, or None when they
+    are there already (a CPU run; in an estimate for ``"cuda"`` CPU tensors stand for device ones and move).
+    (Tests point CPU tensors at a separate CPU copy to watch the mechanism without a GPU.)"""
+    return None if device.type == "cpu" and not _planned_cuda() else torch.device("cpu")
+
+
+def _to_host(t: torch.Tensor, host: torch.device) -> torch.Tensor:
+    # From CUDA a non-blocking copy to the CPU lands in pinned memory (aten's _to_copy pins its output); only
+    # the copy back reads it, ordered on the same stream, so nothing waits. The copy asks for a gradient when
+    # the input did: the recompute must save the same tensors as the forward (matmuls save per requires_grad).
+    # Made under off_device(): trackers count it in host memory, not in the device's timeline.
+    with off_device():
+        copy = t.detach().to(host, non_blocking=t.is_cuda, copy=True)
+    return copy.requires_grad_(t.requires_grad)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=device.type == "cuda", copy=True)
+
+
+# id(original) -> (weakref to it, its version when copied, its host copy). Blocks share tensors (the text
+# states, the timestep embedding, the rotary tables go to every block): each is copied down once while it lives
+# and is unchanged, not once per block.
+_host_copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _forget(key: int, _ref=None) -> None:
+    _host_copies.pop(key, None)
+
+
+def _host_copy(x: torch.Tensor, host: torch.device) -> torch.Tensor:
+    key = id(x)
+    hit = _host_copies.get(key)
+    if hit is not None and hit[0]() is x and hit[1] == x._version and hit[2].requires_grad == x.requires_grad:
+        return hit[2]
+    copy = _to_host(x, host)
+    _host_copies[key] = (weakref.ref(x, functools.partial(_forget, key)), x._version, copy)
+    return copy
+
+
+def _run_offloaded(fn: Callable, *args, **kwargs):
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    targets = [_offload_target(x.device) if isinstance(x, torch.Tensor) else None for x in leaves]
+    if not any(targets):
+        _warn_once(
+            "checkpointing provider='offload': the blocks' inputs are in CPU memory already, so nothing moves "
+            "and it checkpoints as provider='torch'"
+        )
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    host = [_host_copy(x, target) if target is not None else x for x, target in zip(leaves, targets, strict=True)]
+    devices = [x.device if target is not None else None for x, target in zip(leaves, targets, strict=True)]
+    # Zero-byte tensors on the blocks' devices, first among checkpoint's arguments: it stashes and restores
+    # their RNG state (dropout recomputes the same mask) and takes their autocast, as it would from the inputs.
+    markers = [torch.empty(0, device=d) for d in dict.fromkeys(d for d in devices if d is not None)]
+    live = [(args, kwargs)]
+    del args, kwargs, leaves  # from here only the host copies (and ``live``, until the forward) hold them
+
+    def run(*flat):
+        if live:  # the forward: the block reads its own inputs, nothing to copy back
+            a, k = live.pop()
+        else:  # the recompute in the backward: the host copies come back to the block's devices, once each
+            back: dict[int, torch.Tensor] = {}
+            for x, d in zip(flat[len(markers) :], devices, strict=True):
+                if d is not None and id(x) not in back:
+                    back[id(x)] = _to_device(x, d)
+            moved = [back[id(x)] if d is not None else x for x, d in zip(flat[len(markers) :], devices, strict=True)]
+            a, k = pytree.tree_unflatten(moved, spec)
+        return fn(*a, **k)
+
+    return torch.utils.checkpoint.checkpoint(run, *markers, *host, use_reentrant=False)
+
+
 def _run_checkpointed(provider: str, fn: Callable, *args, **kwargs):
+    if provider == "offload":
+        return _run_offloaded(fn, *args, **kwargs)
     if provider == "selective":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -187,8 +286,9 @@ class Checkpointing:
     """Which blocks: ``"all"``, ``"none"``, ``"every:N"`` (blocks 0, N, 2N, ...), ``"skip-every:N"`` (all but
     those), ``"first:K"``, ``"last:K"``, a tuple of block indices, or a callable ``(index, block) -> bool``."""
     provider: str = "torch"
-    """How a chosen block is checkpointed: ``"torch"`` (recompute everything) or ``"selective"`` (keep matmul,
-    convolution and attention outputs, recompute the rest)."""
+    """How a chosen block is checkpointed: ``"torch"`` (recompute everything), ``"selective"`` (keep matmul,
+    convolution and attention outputs, recompute the rest) or ``"offload"`` (as ``"torch"``, its kept inputs in
+    CPU memory until the recompute; on the CPU the same as ``"torch"``)."""
     blocks: str | None = None
     """For a model that is not a diffusers model: the name of its ``nn.ModuleList`` of blocks (default: the
     longest)."""
