@@ -1,4 +1,5 @@
-"""One EMA update: memkit's against diffusers ``EMAModel`` (foreach and loop) and torch's ``AveragedModel``.
+"""One EMA update: memkit's against diffusers ``EMAModel`` (foreach and loop), torch's ``AveragedModel`` and
+ema-pytorch's ``EMA`` (foreach and loop; a peer only where it is installed: it needs nothing but torch).
 
 The small Flux preset, fp32, and a bf16 model with an fp32 EMA. Each way updates the same shadows several
 times, interleaved round by round; the fastest round counts (as ``timeit``). The floor is one ``lerp_`` over a
@@ -21,7 +22,7 @@ import memkit
 
 from . import Section, Table, log
 
-TITLE = "ema: one EMA update, memkit vs diffusers EMAModel and torch AveragedModel"
+TITLE = "ema: one EMA update, memkit vs diffusers EMAModel, torch AveragedModel and ema-pytorch"
 DECAY = 0.9999
 
 
@@ -45,6 +46,23 @@ def _ways(model: torch.nn.Module, ema_dtype: torch.dtype) -> dict:
         avg = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY), use_buffers=False)
         avg.n_averaged.fill_(1)
         ways["torch AveragedModel (ema multi_avg_fn)"] = (lambda: avg.update_parameters(model), list(avg.parameters()))
+    try:
+        from ema_pytorch import EMA as EMAPytorch
+    except ImportError:
+        EMAPytorch = None
+    if EMAPytorch is not None:
+        from importlib.metadata import version
+
+        for foreach in (True, False):
+            shadow = copy.deepcopy(model).to(ema_dtype)  # an fp32 EMA of a bf16 model: ema-pytorch casts per tensor
+            peer = EMAPytorch(
+                model, ema_model=shadow, beta=DECAY, use_foreach=foreach, coerce_dtype=True, include_online_model=False
+            )
+            name = f"ema-pytorch {version('ema-pytorch')}"
+            ways[f"{name} foreach={foreach}"] = (
+                lambda e=peer: e.update_moving_average(e.ema_model, model, current_decay=DECAY),
+                list(peer.ema_model.parameters()),
+            )
     numel = sum(p.numel() for p in params)
     flat, src = torch.zeros(numel, dtype=ema_dtype), torch.ones(numel, dtype=ema_dtype)
     ways["flat lerp_ (floor)"] = (lambda: flat.lerp_(src, 1 - DECAY), [flat])
@@ -99,12 +117,15 @@ def run(quick: bool) -> Section:
     mk = {r["model / EMA"]: r for r in rows if r["way"] == "memkit foreach=True"}
     notes = []
     for key, r in mk.items():
-        peers = [x for x in rows if x["model / EMA"] == key and x["way"].startswith(("diffusers", "torch"))]
+        peers = [
+            x for x in rows if x["model / EMA"] == key and x["way"].startswith(("diffusers", "torch", "ema-pytorch"))
+        ]
         best_diffusers = min(x["update (ms)"] for x in peers if x["way"].startswith("diffusers"))
         fastest_peer = min(x["update (ms)"] for x in peers)
         notes.append(
             f"{key}: memkit {r['update (ms)']:.1f} ms; {best_diffusers / r['update (ms)']:.2f}x faster than diffusers' "
-            f"best (target ≥ 2x); fastest peer {fastest_peer:.1f} ms; {r['vs flat lerp_']:.0%} of the flat lerp_ "
+            f"best (target ≥ 2x); fastest peer {fastest_peer:.1f} ms ({fastest_peer / r['update (ms)']:.2f}x memkit's "
+            f"time, target ≥ 1); {r['vs flat lerp_']:.0%} of the flat lerp_ "
             f"(target ≥ 90%); extra peak {r['extra peak / EMA bytes']:.2%} of the EMA's bytes (target < 2%)"
         )
     return Section(

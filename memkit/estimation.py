@@ -9,12 +9,21 @@ What an estimate for ``device="cuda"`` models: the caching allocator's rounding 
 512 bytes), so the peak compares with ``torch.cuda.max_memory_allocated``. What it does not model: the
 CUDA context (~300–500 MiB per process, outside the allocator), cuBLAS/cuDNN workspaces, kernel choices
 that differ between CPU and CUDA (attention backends), and fragmentation (reserved > allocated).
+
+State an optimization keeps in host memory while the parameters are on the accelerator (an EMA with
+``mode="offload"`` or ``"cpu_only"``) is not in the device timeline: the optimization reads
+:func:`planned_device` to know its fake CPU parameters stand for ``"cuda"`` ones and marks that state with
+:func:`note_host_memory`; tensors made during the step that leave the device (checkpoint inputs offloaded by
+``Checkpointing(provider="offload")``) are made under :func:`memkit.memory.off_device`.
+``timeline.meta["host_bytes"]`` reports both by category.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +38,52 @@ from .models import _default_dtype, load_model, make_inputs
 from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "note_host_memory", "planned_device"]
+
+# (planned device, host tensors by category) while an estimate builds and steps its model
+_PLAN: contextvars.ContextVar[tuple[str, dict[str, list[torch.Tensor]]] | None] = contextvars.ContextVar(
+    "memkit_estimate_plan", default=None
+)
+
+
+def planned_device() -> str | None:
+    """The device the running :func:`estimate` plans for (``"cpu"`` or ``"cuda"``), None outside one.
+
+    Its fake parameters are CPU tensors standing for that device's: an optimization that keeps state in host
+    memory reads this to know whether that state is off the accelerator.
+
+    Example:
+        >>> host = mode != "device" and (param.device.type != "cpu" or planned_device() == "cuda")
+    """
+    plan = _PLAN.get()
+    return plan[0] if plan is not None else None
+
+
+def note_host_memory(category: str, tensors: Iterable[torch.Tensor]) -> None:
+    """Inside an estimate for ``"cuda"``: ``tensors`` (owned by an optimization) live in host memory, so they
+    are left out of the device timeline and counted in ``timeline.meta["host_bytes"][category]``. Elsewhere:
+    nothing (real tensors are tracked on their own device).
+
+    Example:
+        >>> note_host_memory("ema", shadows)
+    """
+    plan = _PLAN.get()
+    if plan is not None and plan[0] == "cuda":
+        plan[1].setdefault(category, []).extend(tensors)
+
+
+@contextlib.contextmanager
+def _planning(device: str) -> Iterator[dict[str, list[torch.Tensor]]]:
+    host: dict[str, list[torch.Tensor]] = {}
+    token = _PLAN.set((device, host))
+    try:
+        yield host
+    finally:
+        _PLAN.reset(token)
+
+
+def _storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 
 def estimate(
@@ -72,8 +126,10 @@ def estimate(
         progress: show a progress bar (build, then each step); None shows it for full-size presets, which
             take ~10–30 s.
 
-    Returns the :class:`Timeline` of the last step; ``timeline.meta`` holds the settings, the parameter count
-    and the seconds the estimate took.
+    Returns the :class:`Timeline` of the last step; ``timeline.meta`` holds the settings, the parameter count,
+    ``host_bytes`` (category -> bytes the optimizations keep in host memory, off a ``"cuda"`` peak: an
+    offloaded EMA's shadows, the most offloaded checkpoint inputs alive at once as ``"activation"``) and the
+    seconds the estimate took.
 
     Example:
         >>> tl = memkit.estimate("flux", dtype=torch.bfloat16, optimizations=[memkit.Checkpointing()])
@@ -107,7 +163,7 @@ def estimate(
     label = model if isinstance(model, str) else "model"
     n = step.steps
     bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
-    with bar, FakeTensorMode(), _default_dtype(dtype):
+    with bar, FakeTensorMode(), _default_dtype(dtype), _planning(device) as host:
         bar.set_postfix_str("building the model")
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
@@ -122,15 +178,23 @@ def estimate(
                 bar.update()
             bar.set_postfix_str(f"step {n}/{n} (tracked)")
             granularity = CUDA_BLOCK if cuda else None
+            objects = runner.tracked_objects()
+            host_keys = _storage_keys(t for ts in host.values() for t in ts)
+            objects["owned"] = {  # what lives in host memory is not on the planned device
+                c: [t for t in ts if t.untyped_storage()._cdata not in host_keys] for c, ts in handle.owned().items()
+            }
             with track(
                 inputs=kwargs,
                 alloc_granularity=granularity,
                 device=device if cuda else None,
-                **runner.tracked_objects(),
+                **objects,
             ) as timeline:
                 runner.run(kwargs)
             bar.update()
         params = sum(p.numel() for p in net.parameters())
+        host_bytes = {c: sum(_storage_keys(ts).values()) for c, ts in host.items()}
+        if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
+            host_bytes["activation"] = timeline.meta["host_peak_bytes"]
     timeline.meta.update(
         estimate=True,
         model=model if isinstance(model, str) else getattr(model, "__name__", "model"),
@@ -142,6 +206,7 @@ def estimate(
         device=device,
         optimizations=[str(o) for o in optimizations],
         parameters=params,
+        host_bytes=host_bytes,
         seconds=time.perf_counter() - t0,
     )
     return timeline

@@ -62,21 +62,103 @@ def test_step_takes_the_global_step():
     assert ema.cur_decay_value == pytest.approx(5000 / 5009)
 
 
-def test_every_n_stays_close_to_every_step_on_a_slowly_moving_model():
-    model = _model()
-    every = memkit.EMA(decay=0.95, schedule="constant", update_every=4).build(model)
-    each = memkit.EMA(decay=0.95, schedule="constant").build(model)
-    drift = 1e-3
-    for i in range(200):
-        _nudge(model, i)  # moves each weight ~0.01 per step at random
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_n_stays_close_to_every_step_on_a_slowly_moving_model(n):
+    # Each weight moves at a constant velocity v (|v| <= 1e-3 per step). In the steady state an EMA of a ramp
+    # lags it by v * d / (1 - d) steps for decay d every step, and by v * n * d**n / (1 - d**n) for decay d**n
+    # every nth step (n steps between samples), so at an update the two differ by v times the difference of
+    # the lags: about (n - 1) / 2 steps of motion, at most n. Without the compensation (decay d every nth step)
+    # the every-n lag is n * d / (1 - d): 57 steps of motion for d = 0.95, n = 4.
+    d, steps = 0.95, 400  # d**400 ~ 1e-9: the start is forgotten
+    model = _model().double()
+    g = torch.Generator().manual_seed(0)
+    velocity = [(torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1) * 1e-3 for p in model.parameters()]
+    every = memkit.EMA(decay=d, schedule="constant", update_every=n).build(model)
+    each = memkit.EMA(decay=d, schedule="constant").build(model)
+    updates = 0
+    for _ in range(steps):
         with torch.no_grad():
-            for p in model.parameters():
-                p.add_(drift)
+            for p, v in zip(model.parameters(), velocity, strict=True):
+                p.add_(v)
         each.step(model)
-        every.step(model)
-    worst = max(float((a - b).abs().max()) for a, b in zip(every.shadow_params, each.shadow_params, strict=True))
-    # the every-4 average lags by ~1.5 steps of drift, plus noise of a few per-step moves
-    assert worst < 10 * 0.01
+        updates += every.step(model)
+    assert updates == steps // n
+    lag = d / (1 - d) - n * d**n / (1 - d**n)
+    assert 0 < lag <= n
+    for a, b, v in zip(every.shadow_params, each.shadow_params, velocity, strict=True):
+        torch.testing.assert_close(a - b, v * lag, atol=1e-9, rtol=0)
+        assert float((a - b).abs().max()) <= n * 1e-3
+
+
+def test_constant_schedule_decays_by_exactly_decay():
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    ema = memkit.EMA(decay=0.75, schedule="constant", update_after_step=2).build(model)
+    _nudge(model, 0)
+    for _ in range(2):  # before update_after_step: the shadows copy the parameters
+        ema.step(model)
+        assert ema.cur_decay_value == 0.0
+    for s, p in zip(ema.shadow_params, model.parameters(), strict=True):
+        assert torch.equal(s, p)
+    copied = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, s0 in zip(model.parameters(), start, strict=True):
+            p.copy_(s0)
+    ema.step(model)
+    assert ema.cur_decay_value == 0.75
+    for s, c, p in zip(ema.shadow_params, copied, model.parameters(), strict=True):
+        torch.testing.assert_close(s, 0.75 * c + 0.25 * p, atol=1e-7, rtol=0)
+
+
+def test_without_pinning_it_says_so_once_and_does_not_crash():
+    memkit.optimizations.ema._warned.clear()
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            memkit.EMA(mode="offload").build(model).step(model)
+        memkit.EMA(mode="device").build(model)
+    messages = [str(w.message) for w in caught if "unpinned" in str(w.message)]
+    assert len(messages) == 1 and "mode='offload'" in messages[0]
+
+
+def test_mixed_dtypes_update_in_bounded_chunks_in_the_ema_phase():
+    # a bf16 model with an fp32 EMA: the update stages parameters through a buffer of at most chunk_mb, and
+    # at most 2% of the EMA's bytes once the model is large enough (>= 64 x 65,536 elements)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 512)).to(torch.bfloat16)
+    ema_bytes = sum(p.numel() * 4 for p in model.parameters())
+    for chunk_mb, bound in ((32.0, 0.02 * ema_bytes), (0.05, 0.05 * 2**20)):
+        ema = memkit.EMA(decay=0.9, schedule="constant", dtype=torch.float32, chunk_mb=chunk_mb).build(model)
+        _nudge(model, 1)
+        expected = [s.clone().lerp_(p.float(), 0.1) for s, p in zip(ema.shadow_params, model.parameters(), strict=True)]
+        with memkit.track() as tl:
+            ema.step(model)
+        assert 0 < tl.peak_bytes <= bound, (chunk_mb, tl.peak_bytes, bound)
+        assert set(tl.to_pandas()["phase"]) == {"ema"}
+        for s, e in zip(ema.shadow_params, expected, strict=True):
+            torch.testing.assert_close(s, e, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_offload_streams_through_a_bounded_buffer_with_the_same_shadows(foreach):
+    # In an estimate for "cuda", CPU parameters stand for device ones: "offload" then takes its GPU path (host
+    # shadows copied through a device buffer), which runs here on real CPU tensors.
+    from memkit.estimation import _planning
+
+    model = memkit.load_model("flux")
+    ref = EMAModel(model.parameters(), decay=0.99, foreach=foreach)
+    with _planning("cuda") as host:
+        ema = memkit.EMA(decay=0.99, mode="offload", foreach=foreach, chunk_mb=0.01).build(model)
+        assert ema._stream and host["ema"] is not None
+        for i in range(5):
+            _nudge(model, i)
+            ref.step(model.parameters())
+            with memkit.track() as tl:
+                ema.step(model)
+            assert 0 < tl.peak_bytes <= 2 * 0.01 * 2**20  # a parameter and a shadow buffer
+    for a, b in zip(ema.shadow_params, ref.shadow_params, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_copy_store_restore_and_swap_keep_no_copy(tmp_path):
@@ -162,7 +244,7 @@ def test_in_compare_the_shadows_match_diffusers():
         "flux", {"ema": variant}, step=memkit.Step(optimizer="adamw", steps=2), repeats=1, progress=False
     )
     row = cmp.table().loc["ema"]
-    assert row["pass"] and row["max |Δema|"] <= 1e-6
+    assert row["pass"] and row["max |Δema|"] <= 1e-6 and row["Δema / Δparam"] <= 1e-6
     params = sum(p.numel() * 4 for p in memkit.load_model("flux").parameters())
     assert cmp.results["ema"].timeline.peak_by_category()["ema"] == params
 
@@ -180,3 +262,88 @@ def test_the_update_allocates_nothing_and_runs_in_the_ema_phase():
     with memkit.track(owned=handle) as tl:
         handle.after_step()
     assert tl.peak_bytes == tl.peak_by_category()["ema"]  # no temporary
+
+
+@pytest.mark.parametrize("mode", ["offload", "cpu_only"])
+def test_estimate_for_cuda_keeps_host_shadows_off_the_gpu_peak(mode):
+    kw = dict(size="tiny", dtype=torch.bfloat16, optimizer="adamw", device="cuda", progress=False)
+    on_device = memkit.estimate("flux", optimizations=[memkit.EMA(mode="device")], **kw)
+    off = memkit.estimate("flux", optimizations=[memkit.EMA(mode=mode)], **kw)
+    model = memkit.load_model("flux", dtype=torch.bfloat16)
+    shadows = [p.numel() * 2 for p in model.parameters()]  # bf16 shadows of bf16 parameters
+    on_gpu = sum(-(-n // 512) * 512 for n in shadows)  # the caching allocator's 512-byte blocks
+    assert on_device.peak_by_category()["ema"] == on_gpu and on_device.meta["host_bytes"] == {}
+    assert off.peak_by_category()["ema"] == 0 and off.meta["host_bytes"] == {"ema": sum(shadows)}
+    assert on_device.peak_bytes - off.peak_bytes == on_gpu
+    if mode == "offload":  # the update streams through device buffers, inside the ema phase
+        ema_phase = off.to_pandas().query("phase == 'ema' and action == 'alloc'")
+        assert 0 < ema_phase["bytes"].max() <= 32 * 2**20
+    on_cpu = memkit.estimate("flux", optimizations=[memkit.EMA(mode=mode)], **{**kw, "device": "cpu"})
+    assert on_cpu.peak_by_category()["ema"] == sum(shadows) and on_cpu.meta["host_bytes"] == {}
+
+
+def test_cli_full_size_flux_offload_says_how_much_leaves_the_gpu(capsys):
+    import re
+
+    from memkit.cli import main
+
+    assert main(["estimate", "flux", "--optimizer", "adamw", "--ema", "offload", "--device", "cuda"]) == 0
+    text = capsys.readouterr().out
+    assert "flux (full)" in text and "bfloat16" in text and "device cuda" in text and "ema:offload" in text
+    params = int(re.search(r"parameters .*\(([\d,]+)\)", text).group(1).replace(",", ""))
+    assert params > 11e9
+    host = text.split("in CPU memory, off the GPU peak (GiB)")[1]
+    assert re.search(r"^\s+ema\s+([\d.]+)$", host, re.M).group(1) == f"{params * 2 / 2**30:.3f}"  # bf16 copy
+    peak = text.split("in CPU memory")[0]
+    assert not re.search(r"^\s+ema\s", peak, re.M)  # nothing of the EMA in the GPU peak
+
+
+def test_cli_json_reports_host_bytes(capsys):
+    import json
+
+    from memkit.cli import main
+
+    assert main(["estimate", "flux", "--size", "tiny", "--ema", "cpu_only", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["host_bytes"] == {"ema": result["parameters"] * 2}
+    assert result["peak_by_category"]["ema"] == 0
+
+
+def test_save_pretrained_is_a_folder_diffusers_loads_and_back(tmp_path):
+    from diffusers import SD3Transformer2DModel  # tiny SD3 has a persistent buffer (pos_embed) to carry
+
+    model = memkit.load_model("sd3")
+    ema = memkit.EMA(decay=0.9, min_decay=0.5).build(model)
+    for i in range(3):
+        _nudge(model, i)
+        ema.step(model)
+    ema.save_pretrained(tmp_path / "ema", max_shard_size=20_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = EMAModel.from_pretrained(tmp_path / "ema", model_cls=SD3Transformer2DModel)
+        weights = SD3Transformer2DModel.from_pretrained(tmp_path / "ema")
+    assert (ref.optimization_step, ref.decay, ref.min_decay) == (3, 0.9, 0.5)
+    for a, b in zip(ref.shadow_params, ema.shadow_params, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(weights.pos_embed.pos_embed, model.pos_embed.pos_embed)
+    # and a folder diffusers wrote: its weights file also holds buffers, so the model gives the order
+    EMAModel(model.parameters(), model_cls=SD3Transformer2DModel, model_config=model.config).save_pretrained(
+        tmp_path / "diffusers"
+    )
+    with pytest.raises(ValueError, match="pass model="):
+        memkit.EMA.from_pretrained(tmp_path / "diffusers")
+    back = memkit.EMA.from_pretrained(tmp_path / "diffusers", model=model)
+    for a, p in zip(back.shadow_params, model.parameters(), strict=True):
+        assert torch.equal(a, p)
+    with pytest.raises(ValueError, match="another model"):
+        memkit.EMA.from_pretrained(tmp_path / "diffusers", model=_model())
+
+
+def test_the_compare_check_fails_when_the_shadows_differ_from_diffusers():
+    # memkit's constant schedule averages from the first update on; diffusers' first update copies the weights
+    check = diffusers_check(lambda: memkit.load_model("flux"), decay=0.9)
+    variant = memkit.Variant(optimizations=[memkit.EMA(decay=0.9, schedule="constant")], check=check)
+    cmp = memkit.compare("flux", {"ema": variant}, step=memkit.Step(optimizer="adamw"), repeats=0, progress=False)
+    row = cmp.table().loc["ema"]
+    # shadows = w0 + 0.1 (w1 - w0) against diffusers' w1: 0.9 of the largest move, whatever the learning rate
+    assert not row["pass"] and row["Δema / Δparam"] == pytest.approx(0.9, abs=1e-3)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -156,12 +157,18 @@ class EMA:
         return cls(mode=mode, update_every=int(number))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> EMAState:
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, model: torch.nn.Module | None = None, **overrides: Any
+    ) -> EMAState:
         """An averager read from a folder written by :meth:`EMAState.save_pretrained` (or diffusers'
         ``EMAModel.save_pretrained``): shadows from the safetensors weights, settings from ``config.json``.
 
+        ``model`` gives the parameters' order (their names); a folder memkit wrote records it, one diffusers
+        wrote does not (its weights file also holds buffers), so pass the model for those.
+
         Example:
             >>> ema = memkit.EMA.from_pretrained("out/ema")
+            >>> ema = memkit.EMA.from_pretrained("diffusers-ema", model=transformer)
             >>> ema.copy_to(model)
         """
         from safetensors.torch import load_file
@@ -175,7 +182,20 @@ class EMA:
         tensors: dict[str, torch.Tensor] = {}
         for name in files:
             tensors.update(load_file(os.path.join(path, name)))
-        names = config.get("_memkit_parameter_names") or list(tensors)
+        if model is not None:
+            names = [n for n, _ in model.named_parameters()]
+        elif "_memkit_parameter_names" in config:
+            names = config["_memkit_parameter_names"]
+        else:
+            raise ValueError(
+                f"path {path!r} does not record the parameters' order (not written by memkit): pass model=, "
+                "the model whose parameters the shadows follow"
+            )
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(
+                f"path {path!r} holds no weights for {missing[:5]} ({len(missing)} missing): another model"
+            )
         settings = {f.name: config[f.name] for f in fields(cls) if f.name in config and f.name not in ("dtype",)}
         state = EMAState([tensors[n] for n in names], config=cls(**{**settings, **overrides}))
         state.names = list(names)
@@ -211,8 +231,14 @@ class EMAState:
     ) -> None:
         self.config = replace(config or EMA(), **settings) if settings else (config or EMA())
         self.names: list[str] | None = None
+        self._model_config: dict[str, Any] | None = None  # a diffusers model's config.json, for save_pretrained
+        self._buffers: dict[str, torch.Tensor] = {}  # its persistent buffers (references), for save_pretrained
         if isinstance(parameters, torch.nn.Module):
             self.names = [n for n, _ in parameters.named_parameters()]
+            if callable(getattr(parameters, "save_config", None)) and hasattr(parameters, "config"):
+                self._model_config = _diffusers_config(parameters)
+                names = set(self.names)
+                self._buffers = {n: b for n, b in parameters.state_dict(keep_vars=True).items() if n not in names}
             parameters = parameters.parameters()
         params = [p.detach() for p in parameters]
         devices = {p.device for p in params}
@@ -222,15 +248,22 @@ class EMAState:
             )
         self.device = devices.pop() if devices else torch.device("cpu")
         cfg = self.config
-        host = cfg.mode != "device" and self.device.type != "cpu"
+        # In an estimate for "cuda" the fake CPU parameters stand for device ones and the shadows for host memory
+        # (no estimate runs unless memkit.estimation is imported: don't import it, it pulls in diffusers)
+        estimation = sys.modules.get("memkit.estimation")
+        planned = estimation is not None and self.device.type == "cpu" and estimation.planned_device() == "cuda"
+        host = cfg.mode != "device" and (self.device.type != "cpu" or planned)
         self._pin = host and cfg.mode == "offload" and torch.cuda.is_available() and self.device.type == "cuda"
-        if cfg.mode != "device" and not self._pin:
+        self._stream = host and cfg.mode == "offload"  # every update streams the shadows through a device buffer
+        if cfg.mode != "device" and not self._pin and not planned:
             _warn_once(
                 f"EMA mode={cfg.mode!r}: shadows in CPU memory, unpinned"
                 + (" (parameters are on the CPU already)" if self.device.type == "cpu" else " (pinning needs CUDA)")
             )
         with torch.no_grad():
-            self.shadow_params: list[torch.Tensor] = [self._shadow_of(p, host) for p in params]
+            self.shadow_params: list[torch.Tensor] = [self._shadow_of(p, host and not planned) for p in params]
+        if host and estimation is not None:
+            estimation.note_host_memory("ema", self.shadow_params)
         self.optimization_step = 0
         self.cur_decay_value: float | None = None
         self.temp_stored_params: list[torch.Tensor] | None = None
@@ -285,7 +318,7 @@ class EMAState:
         decay = self.get_decay(self.optimization_step)
         self.cur_decay_value = decay = decay**n
         with phase("ema"):
-            _lerp(self.shadow_params, params, 1.0 - decay, self._compute_device(), self.config, self._pin)
+            _lerp(self.shadow_params, params, 1.0 - decay, self._compute_device(), self.config, self._pin, self._stream)
         return True
 
     def _compute_device(self) -> torch.device:
@@ -402,9 +435,10 @@ class EMAState:
 
     def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int | str = "10GB") -> None:
         """Write the shadows as safetensors shards (at most ``max_shard_size`` each) and the settings to
-        ``config.json``. With a model's parameter names (built from a model), the folder holds that model's
-        weight names; diffusers' ``EMAModel.from_pretrained`` needs the model's own config too, so copy the
-        model's ``config.json`` keys in (see the notebook) or load with :meth:`EMA.from_pretrained`.
+        ``config.json``. Built from a diffusers model, the folder is what diffusers' ``EMAModel.save_pretrained``
+        writes (the model's config with the EMA settings, its weights with the shadows for the parameters and
+        its persistent buffers), so ``EMAModel.from_pretrained(path, model_cls=...)`` and the model class's own
+        ``from_pretrained`` load it; :meth:`EMA.from_pretrained` loads any folder this writes.
 
         Example:
             >>> ema.save_pretrained("out/ema", max_shard_size="2GB")
@@ -417,6 +451,7 @@ class EMAState:
         os.makedirs(path, exist_ok=True)
         names = self.names or [f"shadow_params.{i}" for i in range(len(self.shadow_params))]
         tensors = {n: s.detach().to("cpu").contiguous() for n, s in zip(names, self.shadow_params, strict=True)}
+        tensors.update({n: b.detach().to("cpu").contiguous() for n, b in self._buffers.items()})
         split = split_torch_state_dict_into_shards(
             tensors, filename_pattern="diffusion_pytorch_model{suffix}.safetensors", max_shard_size=max_shard_size
         )
@@ -426,7 +461,8 @@ class EMAState:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             with open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
-        config = {k: v for k, v in self.state_dict().items() if k != "shadow_params"}
+        config = dict(self._model_config or {})
+        config.update({k: v for k, v in self.state_dict().items() if k != "shadow_params"})
         config.update(mode=self.config.mode, foreach=self.config.foreach, chunk_mb=self.config.chunk_mb)
         config["_memkit_parameter_names"] = names
         with open(os.path.join(path, "config.json"), "w") as f:
@@ -436,6 +472,15 @@ class EMAState:
         return f"EMAState({self.config}, tensors={len(self.shadow_params)}, step={self.optimization_step})"
 
 
+def _diffusers_config(model: torch.nn.Module) -> dict[str, Any]:
+    """A diffusers model's ``config.json`` content (``model.to_json_string()`` would add keys to its config)."""
+    from diffusers import __version__
+
+    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    config = json.loads(json.dumps(config, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)))
+    return {"_class_name": type(model).__name__, "_diffusers_version": __version__, **config}
+
+
 def _lerp(
     shadows: list[torch.Tensor],
     params: list[torch.Tensor],
@@ -443,17 +488,19 @@ def _lerp(
     compute: torch.device,
     cfg: EMA,
     non_blocking: bool,
+    stream: bool = False,
 ) -> None:
     """shadow += weight * (param - shadow) for every pair, in place; frozen parameters are copied (as diffusers).
 
     Pairs whose shadow and parameter share device and dtype on ``compute`` are lerped directly (one foreach
-    op, no temporary). The others go through staging buffers of at most ``chunk_mb`` each, in flat slices.
+    op, no temporary), unless ``stream`` (offload: the shadows stand for host memory). The others go through
+    staging buffers of at most ``chunk_mb`` each, in flat slices.
     """
     direct_s, direct_p, staged = [], [], []
     for s, p in zip(shadows, params, strict=True):
         if not p.requires_grad or not s.is_floating_point():  # frozen or integer: copied, as diffusers does
             s.copy_(p, non_blocking=non_blocking)
-        elif s.device == p.device == compute and s.dtype == p.dtype:
+        elif s.device == p.device == compute and s.dtype == p.dtype and not stream:
             direct_s.append(s)
             direct_p.append(p.detach())
         else:
@@ -465,15 +512,15 @@ def _lerp(
             for s, p in zip(direct_s, direct_p, strict=True):
                 s.lerp_(p, weight)
     if staged:
-        _lerp_staged(staged, weight, compute, cfg, non_blocking)
+        _lerp_staged(staged, weight, compute, cfg, non_blocking, stream)
 
 
-def _lerp_staged(pairs, weight: float, compute: torch.device, cfg: EMA, non_blocking: bool) -> None:
+def _lerp_staged(pairs, weight: float, compute: torch.device, cfg: EMA, non_blocking: bool, stream: bool) -> None:
     dtype = pairs[0][0].dtype
     chunk = max(1, int(cfg.chunk_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
     total = sum(s.numel() for s, _ in pairs)
     size = min(chunk, max(total // 64, 2**16))  # the extra peak stays under ~1.6% of the staged shadows
-    stage_s = any(s.device != compute for s, _ in pairs)
+    stage_s = stream or any(s.device != compute for s, _ in pairs)
     pbuf = torch.empty(size, dtype=dtype, device=compute)
     sbuf = torch.empty(size, dtype=dtype, device=compute) if stage_s else None
 
@@ -532,6 +579,10 @@ def diffusers_check(
     """A :class:`memkit.Variant` check: the variant's shadows against diffusers' ``EMAModel(**settings)`` built
     from ``initial()``'s weights and stepped once on the model after the compared step (what ``compare`` runs).
 
+    Two columns: ``max |Δema|``, and ``Δema / Δparam``, the same difference over how far the step moved the
+    parameters (one optimizer step moves them by about its learning rate, so the raw difference can never
+    exceed that, right or wrong; the ratio is ~1 for an EMA that ignores its schedule, 0 for a correct one).
+
     Example:
         >>> check = diffusers_check(lambda: memkit.load_model("flux"), decay=0.9)
         >>> memkit.Variant(optimizations=[memkit.EMA(decay=0.9)], check=check)   # column "max |Δema|"
@@ -539,10 +590,19 @@ def diffusers_check(
     from diffusers.training_utils import EMAModel
 
     def check(model: torch.nn.Module, handle: Handle) -> dict[str, float]:
-        ref = EMAModel(initial().parameters(), **settings)
+        start = initial()
+        moved = max(
+            (
+                float((a.float() - b.float()).abs().max())
+                for a, b in zip(model.parameters(), start.parameters(), strict=True)
+            ),
+            default=0.0,
+        )
+        ref = EMAModel(start.parameters(), **settings)
         ref.step(model.parameters())
         shadows = handle.owned()["ema"]
         diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(shadows, ref.shadow_params, strict=True)]
-        return {"max |Δema|": max(diffs, default=0.0)}
+        worst = max(diffs, default=0.0)
+        return {"max |Δema|": worst, "Δema / Δparam": worst / moved if moved > 0 else worst}
 
     return check
