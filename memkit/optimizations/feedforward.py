@@ -13,7 +13,14 @@ when autograd records) keeps only the input and recomputes each chunk's input pr
 backward: one extra ``proj`` matmul per layer, about +17% of the layer's training FLOPs for ``gelu``-style
 layers and +22% for gated ones (``geglu``, ``swiglu``). It does nothing where attention or the weights set the
 peak. Weights are never copied: chunks are views of the existing parameters, ``state_dict`` is unchanged and
-``remove()`` puts each module's own ``forward`` back.
+``remove()`` puts each module's own ``forward`` back. In bf16/fp16 each chunk's out-projection is rounded once
+and the chunks are summed in fp32 (no mixed-precision matmul exists on CPU), so a layer's error stays within
+about twice the unsplit layer's.
+
+Layers found: every diffusers ``FeedForward`` (Wan's ``ffn`` is one), plain ``nn.Sequential(Linear, activation,
+[Dropout], Linear)``, and the MLP branch of Flux's single blocks, where ``proj_out`` reads
+``cat([attention, act(proj_mlp(x))])``: split, the block runs ``proj_out``'s attention columns first and then
+its MLP columns chunk by chunk, so neither the 4x intermediate nor the 5x concatenation exists whole.
 
 Dropout keeps its meaning: the dropout after the activation acts elementwise, so applying it to each chunk
 draws each element's mask with the same probability (different random numbers than the unsplit layer, the same
@@ -29,6 +36,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -53,10 +63,20 @@ class _MLP:
     out: nn.Linear
     dropout: nn.Module | None
     final_dropout: nn.Module | None
+    out_start: int = 0
+    """First input column of ``out`` the intermediate feeds (Flux single blocks: ``proj_out`` reads the attention
+    output in columns ``[0, dim)`` and the MLP's in ``[dim, dim + inner)``)."""
 
     @property
     def inner(self) -> int:
-        return self.out.in_features
+        return self.proj.out_features // (2 if self.gated else 1)
+
+    def params(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """``proj`` weight and bias, the out-projection's columns (a view) and bias."""
+        w2 = self.out.weight
+        if self.out_start or w2.shape[1] != self.inner:
+            w2 = w2[:, self.out_start : self.out_start + self.inner]
+        return self.proj.weight, self.proj.bias, w2, self.out.bias
 
 
 def _approximate_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +129,61 @@ def _sequential_mlp(module: nn.Module) -> _MLP | None:
     return _MLP(m[0], m[1], False, m[-1], m[2] if len(m) == 4 else None, None)
 
 
+def _flux_single_mlp(module: nn.Module) -> _MLP | None:
+    """The MLP branch of a Flux single block: ``proj_out(cat[attn, act_mlp(proj_mlp(x))])``'s MLP columns."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    if type(module) is not FluxSingleTransformerBlock:  # a subclass may compute something else
+        return None
+    if not _flux_single_forward_known():
+        return None
+    proj, out = module.proj_mlp, module.proj_out
+    dim = out.in_features - proj.out_features
+    if dim != proj.in_features or not isinstance(module.act_mlp, _ACTIVATIONS):
+        return None
+    return _MLP(proj, module.act_mlp, False, out, None, None, out_start=dim)
+
+
+_FLUX_SINGLE_ARGS = (
+    "self",
+    "hidden_states",
+    "encoder_hidden_states",
+    "temb",
+    "image_rotary_emb",
+    "joint_attention_kwargs",
+)
+_FLUX_SINGLE_LINES = (
+    "torch.cat([encoder_hidden_states, hidden_states], dim=1)",
+    "self.act_mlp(self.proj_mlp(norm_hidden_states))",
+    "torch.cat([attn_output, mlp_hidden_states], dim=2)",
+    "gate * self.proj_out(hidden_states)",
+)
+
+
+@functools.cache
+def _flux_single_forward_known() -> bool:
+    """Whether the installed diffusers' ``FluxSingleTransformerBlock.forward`` is the one
+    :func:`_flux_single_forward` rewrites (diffusers 0.33 and later: text and image tokens concatenated inside the
+    block, a pair returned). Another version's block is left unsplit, with a warning, rather than run wrongly."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    forward = FluxSingleTransformerBlock.forward
+    try:
+        source = " ".join(inspect.getsource(forward).split())
+        known = tuple(inspect.signature(forward).parameters) == _FLUX_SINGLE_ARGS and all(
+            line in source for line in _FLUX_SINGLE_LINES
+        )
+    except (OSError, TypeError):  # no source (a frozen install): unknown
+        known = False
+    if not known:
+        warnings.warn(
+            "FFSplit: this diffusers version's FluxSingleTransformerBlock.forward is not the one memkit rewrites "
+            "(diffusers >= 0.33), so Flux single blocks' MLP branch is left unsplit",
+            stacklevel=4,
+        )
+    return known
+
+
 def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module, _MLP]]:
     """Every feed-forward layer FFSplit splits: (qualified name, module, its parts).
 
@@ -117,7 +192,7 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module, _MLP]]:
     """
     found = []
     for name, module in model.named_modules():
-        mlp = _diffusers_mlp(module) or _sequential_mlp(module)
+        mlp = _diffusers_mlp(module) or _sequential_mlp(module) or _flux_single_mlp(module)
         if mlp is not None:
             found.append((name, module, mlp))
     return found
@@ -156,17 +231,25 @@ def _act(mlp: _MLP, pre) -> torch.Tensor:
     return mlp.act(pre)
 
 
-def _hidden_split(mlp: _MLP, x2: torch.Tensor, splits: int) -> torch.Tensor:
-    """``out(act(proj(x)))`` summed over inner chunks; ``x2`` is 2-D; autograd records normally."""
-    w1, b1, w2, b2 = mlp.proj.weight, mlp.proj.bias, mlp.out.weight, mlp.out.bias
+def _hidden_split(
+    mlp: _MLP,
+    x2: torch.Tensor,
+    splits: int,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    init: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``init + out(act(proj(x)))`` summed over inner chunks; ``x2`` and ``init`` are 2-D; autograd records."""
     low = x2.dtype in _LOW_PRECISION
     out = None
     for s, e in _bounds(mlp.inner, splits):
         h = _act(mlp, _pre(mlp, x2, s, e, w1, b1))
         if mlp.dropout is not None:
             h = mlp.dropout(h)
-        if low:  # round each chunk once, sum in fp32: the split stays within the unsplit layer's error
-            y = F.linear(h, w2[:, s:e]).float()
+        if low:  # round each chunk once (the first with the bias, as unsplit), sum in fp32
+            y = F.linear(h, w2[:, s:e], b2 if out is None else None).float()
             out = y if out is None else out + y if torch.is_grad_enabled() else out.add_(y)
         elif out is None:
             out = F.linear(h, w2[:, s:e], b2)
@@ -176,9 +259,11 @@ def _hidden_split(mlp: _MLP, x2: torch.Tensor, splits: int) -> torch.Tensor:
             out.addmm_(h, w2[:, s:e].t())
         del h
     if low:
-        if b2 is not None:
-            out = out + b2.float() if torch.is_grad_enabled() else out.add_(b2)
-        out = out.to(x2.dtype)
+        if init is not None:
+            out = out + init.float() if torch.is_grad_enabled() else out.add_(init)
+        return out.to(x2.dtype)
+    if init is not None:
+        out = out + init if torch.is_grad_enabled() and (out.requires_grad or init.requires_grad) else out.add_(init)
     return out
 
 
@@ -187,19 +272,19 @@ class _RecomputedSplit(torch.autograd.Function):
     activation, writes weight gradients into their slices and accumulates the input gradient."""
 
     @staticmethod
-    def forward(ctx, x2, w1, b1, w2, b2, mlp, splits):
+    def forward(ctx, x2, init, w1, b1, w2, b2, mlp, splits):
         ctx.mlp, ctx.splits = mlp, splits
         ctx.save_for_backward(x2, w1, b1, w2)
-        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.has_b1 = b1 is not None
         with torch.no_grad():
-            return _hidden_split(mlp, x2, splits)
+            return _hidden_split(mlp, x2, splits, w1, b1, w2, b2, init)
 
     @staticmethod
     def backward(ctx, grad_out):
         x2, w1, b1, w2 = ctx.saved_tensors
         mlp, splits = ctx.mlp, ctx.splits
         b1 = b1 if ctx.has_b1 else None
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_x, need_init, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:6]
         low = grad_out.dtype in _LOW_PRECISION
         acc = torch.float32 if low else grad_out.dtype
         gx = torch.zeros(x2.shape, dtype=acc, device=x2.device) if need_x else None
@@ -232,25 +317,36 @@ class _RecomputedSplit(torch.autograd.Function):
         gb2 = grad_out.sum(0) if need_b2 else None
         if gx is not None:
             gx = gx.to(x2.dtype)
-        return gx, gw1, gb1, gw2, gb2, None, None
+        return gx, grad_out if need_init else None, gw1, gb1, gw2, gb2, None, None
+
+
+def _run_hidden(
+    mlp: _MLP, x: torch.Tensor, splits: int, recompute: bool | None, init: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The hidden-mode split of ``mlp`` on ``x`` (any leading shape), plus ``init`` (the output's shape) if given."""
+    x2 = x.reshape(-1, x.shape[-1])
+    init2 = None if init is None else init.reshape(-1, init.shape[-1])
+    params = mlp.params()  # views: slicing is recorded, so gradients reach the parameters
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad
+        or (init is not None and init.requires_grad)
+        or any(p is not None and p.requires_grad for p in params)
+    )
+    if grad and recompute is not False and not _dropout_active(mlp):
+        out = _RecomputedSplit.apply(x2, init2, *params, mlp, splits)
+    else:
+        out = _hidden_split(mlp, x2, splits, *params, init=init2)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _split_forward(mlp: _MLP, module: nn.Module, splits: int, mode: str, recompute: bool | None) -> Callable:
+    """The replacement ``forward`` of a ``FeedForward`` or plain MLP."""
     original = type(module).forward
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if mode == "sequence":
-            return _sequence_split(lambda t: original(module, t, *args, **kwargs), hidden_states, splits)
-        x = hidden_states
-        x2 = x.reshape(-1, x.shape[-1])
-        params = (mlp.proj.weight, mlp.proj.bias, mlp.out.weight, mlp.out.bias)
-        grad = torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params))
-        use_recompute = grad and (recompute is None or recompute) and not _dropout_active(mlp)
-        if use_recompute:
-            out = _RecomputedSplit.apply(x2, *params, mlp, splits)
-        else:
-            out = _hidden_split(mlp, x2, splits)
-        out = out.reshape(*x.shape[:-1], out.shape[-1])
+            return _sequence_split(lambda t: original(module, t, *args, **kwargs), (hidden_states,), splits)
+        out = _run_hidden(mlp, hidden_states, splits, recompute)
         if mlp.final_dropout is not None:
             out = mlp.final_dropout(out)
         return out
@@ -258,21 +354,56 @@ def _split_forward(mlp: _MLP, module: nn.Module, splits: int, mode: str, recompu
     return forward
 
 
-def _sequence_split(fn: Callable, x: torch.Tensor, splits: int) -> torch.Tensor:
-    """``fn`` on ``splits`` tiles of the token axis (the second to last; uneven tiles allowed), concatenated."""
+def _flux_single_forward(mlp: _MLP, block: nn.Module, splits: int, mode: str, recompute: bool | None) -> Callable:
+    """``FluxSingleTransformerBlock.forward`` (diffusers 0.42) without the ``[attn, mlp]`` concatenation:
+    ``proj_out``'s attention columns first, then its MLP columns over the split (or tiled) MLP branch."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        residual = hidden_states
+        norm_hidden_states, gate = block.norm(hidden_states, emb=temb)
+        attn_output = block.attn(
+            hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
+        )
+        init = F.linear(attn_output, block.proj_out.weight[:, : mlp.out_start])  # the bias comes with the MLP
+        del attn_output
+        if mode == "sequence":
+            out = _sequence_split(lambda t, i: _run_hidden(mlp, t, 1, False, i), (norm_hidden_states, init), splits)
+        else:
+            out = _run_hidden(mlp, norm_hidden_states, splits, recompute, init)
+        del init
+        hidden_states = residual + gate.unsqueeze(1) * out
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+    return forward
+
+
+def _sequence_split(fn: Callable, xs: tuple[torch.Tensor, ...], splits: int) -> torch.Tensor:
+    """``fn`` on ``splits`` tiles of the token axis (the second to last of ``xs[0]``; every tensor of ``xs`` is
+    tiled alike; uneven tiles allowed), concatenated."""
+    x = xs[0]
     axis = x.ndim - 2 if x.ndim >= 2 else 0
-    tiles = [t for t in torch.tensor_split(x, splits, dim=axis) if t.shape[axis]]
+    tiles = [t for t in zip(*(torch.tensor_split(a, splits, dim=axis) for a in xs), strict=True) if t[0].shape[axis]]
     if len(tiles) <= 1:
-        return fn(x)
-    first = fn(tiles[0])
+        return fn(*xs)
+    first = fn(*tiles[0])
     shape = list(first.shape)
     shape[axis] = x.shape[axis]
     out = first.new_empty(shape)
     start = 0
     for i, t in enumerate(tiles):
-        y = first if i == 0 else fn(t)
-        out.narrow(axis, start, t.shape[axis]).copy_(y)
-        start += t.shape[axis]
+        y = first if i == 0 else fn(*t)
+        out.narrow(axis, start, t[0].shape[axis]).copy_(y)
+        start += t[0].shape[axis]
         del y
     return out
 
@@ -282,8 +413,9 @@ class FFSplit:
     """Run every feed-forward layer in ``splits`` sequential chunks so its 4x-8x intermediate never exists whole.
 
     Finds every diffusers ``FeedForward`` (``gelu``, ``gelu-approximate``, ``geglu``, ``geglu-approximate``,
-    ``swiglu``, ``linear-silu``) and plain ``nn.Sequential(Linear, activation, [Dropout], Linear)`` MLPs, and
-    replaces their ``forward`` (an instance attribute, removed again by ``remove()``). Saves roughly
+    ``swiglu``, ``linear-silu``), plain ``nn.Sequential(Linear, activation, [Dropout], Linear)`` MLPs and Flux
+    single blocks' ``proj_mlp``/``proj_out`` branch, and replaces their ``forward`` (an instance attribute,
+    removed again by ``remove()``). Saves roughly
     ``(1 - 1/splits)`` of the intermediate's memory in inference, and in training with ``recompute``; costs a
     few smaller matmuls, plus one recomputed input projection per layer in training (+17% of the layer's FLOPs,
     +22% gated). In bf16/fp16 chunks are summed in fp32.
@@ -329,7 +461,8 @@ class FFSplit:
         saved = []
         for _, module, mlp in found:
             saved.append((module, module.__dict__.get("forward", missing)))
-            module.forward = _split_forward(mlp, module, self.splits, self.mode, self.recompute)
+            build = _flux_single_forward if mlp.out_start else _split_forward
+            module.forward = build(mlp, module, self.splits, self.mode, self.recompute)
 
         def undo() -> None:
             for module, previous in saved:
