@@ -31,6 +31,7 @@ BENCHMARKS: tuple[str, ...] = (
     "snapshot_load",
     "ema",
     "feedforward",
+    "checkpointing",
 )
 """Benchmark module names, in run order."""
 

@@ -8,10 +8,11 @@ CPU): one ``FeedForward`` (dim 256, mult 4, batch 2, sequence 1024; 256 in quick
 peak above the weights and input (``memkit.track``) for hidden and sequence modes, inference and training
 (recompute on). Part 3 (time, one thread): one ``FeedForward`` at a size where the matmuls dominate (dim 1024,
 mult 4, 1x2048 tokens; 512 in quick mode), each configuration once per round, rounds interleaved, the fastest
-round of each; time as a ratio to the unsplit layer in the same run. Part 4: the tiny SD3 and DiT presets at
-512 px (1024 image tokens; SD3 with 256 text tokens), inference, against diffusers' forward chunking (chunks of
-256 tokens, dim 1; SD3's ``enable_forward_chunking``, DiT's blocks' ``set_chunk_feed_forward``, which is what
-that method calls): tracked peak and time (fastest of 3 interleaved rounds, one thread).
+round of each; time as a ratio to the unsplit layer in the same run. Part 4: the tiny SD3 preset at 256 px
+(its position embedding's limit: 256 image tokens, with 256 text tokens) and DiT at 512 px (1024 tokens),
+inference, against diffusers' forward chunking (a quarter of the image tokens per chunk, dim 1; SD3's
+``enable_forward_chunking``, DiT's blocks' ``set_chunk_feed_forward``, which is what that method calls): tracked
+peak and time (fastest of 3 interleaved rounds, one thread).
 """
 
 from __future__ import annotations
@@ -162,16 +163,17 @@ def _enable_chunking(model, chunk: int) -> None:
 
 
 def _chunking_rows(quick: bool) -> list[dict]:
-    px = 256 if quick else 512
-    chunk = (px // 16) ** 2 // 4  # a quarter of the image tokens; divides the 256 text tokens too
-    configs = {
-        "unsplit": ([], None),
-        f"diffusers forward chunking ({chunk} tokens, dim 1)": ([], chunk),
-        "FFSplit(4) hidden": ([memkit.FFSplit(splits=4)], None),
-        "FFSplit(4) sequence": ([memkit.FFSplit(splits=4, mode="sequence")], None),
-    }
     rows = []
     for preset in ("sd3", "dit"):
+        # tiny SD3's position embedding covers 256 px (256 image tokens; 256 text tokens beside them)
+        px = 256 if quick or preset == "sd3" else 512
+        chunk = (px // 16) ** 2 // 4  # a quarter of the image tokens; divides the 256 text tokens too
+        configs = {
+            "unsplit": ([], None),
+            f"diffusers forward chunking ({chunk} tokens, dim 1)": ([], chunk),
+            "FFSplit(4) hidden": ([memkit.FFSplit(splits=4)], None),
+            "FFSplit(4) sequence": ([memkit.FFSplit(splits=4, mode="sequence")], None),
+        }
         models, inputs = {}, None
         for name, (_, chunk_size) in configs.items():
             model = memkit.load_model(preset)
@@ -193,7 +195,7 @@ def _chunking_rows(quick: bool) -> list[dict]:
                     best[name] = min(best[name], time.perf_counter() - t)
         rows += [
             {
-                "preset": preset,
+                "preset": f"{preset} {px} px",
                 "variant": name,
                 "peak above weights+inputs MiB": peaks[name] / 2**20,
                 "peak / unsplit": peaks[name] / peaks["unsplit"],
@@ -237,7 +239,7 @@ def run(quick: bool) -> Section:
             Table("PR #10623's benchmark, memkit.estimate (fake tensors, device='cuda')", pr),
             Table("Peak against splits per activation (real tensors, CPU; peak / unsplit)", peaks),
             Table("Time against splits at a matmul-dominated size (real tensors, CPU, one thread)", times),
-            Table("Tiny SD3 and DiT at 512 px, inference: FFSplit vs diffusers forward chunking", chunking),
+            Table("Tiny SD3 (256 px) and DiT (512 px), inference: FFSplit vs diffusers forward chunking", chunking),
         ],
         notes=notes,
     )
