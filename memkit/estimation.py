@@ -86,6 +86,24 @@ def _storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 
+def _plan_budgets(model_fn, inputs, optimizations, **kwargs):
+    """Each ``Checkpointing(budget_bytes=...)`` replaced by the pattern it plans for this very estimate (its
+    step, sizes, dtype, device and the other optimizations), before the estimate itself runs."""
+    from .optimizations.checkpoint_plan import plan_checkpointing
+
+    resolved, plans = list(optimizations), []
+    for i, o in enumerate(resolved):
+        if getattr(o, "budget_bytes", None) is None:
+            continue
+        others = tuple(x for j, x in enumerate(resolved) if j != i)
+        plan = plan_checkpointing(
+            model_fn, o.budget_bytes, provider=o.provider, inputs=inputs, optimizations=others, **kwargs
+        )
+        resolved[i] = plan.config
+        plans.append(plan)
+    return resolved, plans
+
+
 def estimate(
     model: str | Callable[[], torch.nn.Module],
     inputs: Callable[[torch.nn.Module], Mapping[str, Any]] | None = None,
@@ -155,6 +173,12 @@ def estimate(
         raise TypeError("inputs must be a callable inputs(model) -> forward kwargs, or None")
 
     t0 = time.perf_counter()
+    plans = []
+    if any(getattr(o, "budget_bytes", None) is not None for o in optimizations):
+        optimizations, plans = _plan_budgets(
+            model_fn, inputs, optimizations, step=step, dtype=dtype, device=device, batch_size=batch_size,
+            seed=seed, **sizes,
+        )  # fmt: skip
     cuda = device == "cuda"
     if step.foreach is None and cuda and step.optimizer is not None:  # torch's default on CUDA
         step = Step(mode=step.mode, optimizer=step.optimizer, steps=step.steps, foreach=True)
@@ -207,6 +231,7 @@ def estimate(
         optimizations=[str(o) for o in optimizations],
         parameters=params,
         host_bytes=host_bytes,
+        checkpoint_plans=[str(p) for p in plans],
         seconds=time.perf_counter() - t0,
     )
     return timeline

@@ -58,3 +58,64 @@ def test_spread_and_errors():
 def test_the_model_needs_blocks():
     with pytest.raises(ValueError, match="no nn.ModuleList of blocks"):
         memkit.plan_checkpointing(lambda: torch.nn.Linear(4, 4), 2**20, inputs=lambda m: {"input": torch.ones(2, 4)})
+
+
+def _tiny_budget() -> int:
+    """Half way between no checkpointing and all blocks, on tiny LTX-Video at 97 frames (2 blocks)."""
+    kw = {"size": "tiny", "frames": 97}
+    none = memkit.estimate(PRESET, optimizations=[memkit.Checkpointing(pattern="none")], **kw).peak_bytes
+    every = memkit.estimate(PRESET, optimizations=[memkit.Checkpointing()], **kw).peak_bytes
+    assert every < none
+    return (none + every) // 2
+
+
+def test_checkpointing_with_a_budget_plans_for_the_estimate_it_is_given_to():
+    budget = _tiny_budget()
+    config = memkit.Checkpointing(budget_bytes=budget, provider="selective")
+    assert config.pattern == "auto" and str(config).startswith("checkpointing:auto<=")
+    kw = {"size": "tiny", "frames": 97}
+    tl = memkit.estimate(PRESET, optimizations=[config], **kw)
+    plan = memkit.plan_checkpointing(PRESET, budget, provider="selective", **kw)
+    assert tl.meta["optimizations"] == [str(plan.config)] and tl.meta["checkpoint_plans"] == [str(plan)]
+    assert tl.peak_bytes == plan.predicted_peak_bytes <= budget
+    # other sizes, another plan: the budget is planned for the very step estimated
+    bigger = memkit.estimate(PRESET, optimizations=[config], size="tiny", frames=129)
+    assert bigger.meta["checkpoint_plans"] != tl.meta["checkpoint_plans"]
+
+
+def test_apply_with_a_budget_plans_on_a_fake_copy_of_the_model_and_remove_restores_it():
+    budget = _tiny_budget()
+    model = memkit.load_model(PRESET)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = memkit.Checkpointing(budget_bytes=budget)
+    plan = config.plan(model, frames=97)
+    assert plan.fits and 0 < plan.checkpointed < plan.blocks
+    inputs = memkit.make_inputs(model, frames=97)
+    # apply() plans for make_inputs' default inputs (and this model's dtype, on the CPU)
+    default = config.plan(model)
+    with config.apply(model) as handle, memkit.track(model, inputs=inputs) as tl:
+        assert handle.name == str(default.config)
+        assert [c for _, c in config.select(model)] == [c for _, c in default.config.select(model)]
+        memkit.train_step(model, inputs)
+    assert tl.peak_bytes > 0
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.warns(UserWarning, match="does NOT fit"), memkit.Checkpointing(budget_bytes=1).apply(model) as h:
+        assert h.name == "checkpointing:all"
+
+
+def test_budget_errors_name_the_argument():
+    with pytest.raises(ValueError, match="give a pattern or budget_bytes, not both"):
+        memkit.Checkpointing(pattern="every:2", budget_bytes=2**30)
+    with pytest.raises(ValueError, match="pattern='auto' needs budget_bytes="):
+        memkit.Checkpointing(pattern="auto")
+    for bad in (0, -5, 1.5, True, "1GiB"):
+        with pytest.raises(ValueError, match="budget_bytes must be a positive int"):
+            memkit.Checkpointing(budget_bytes=bad)
+    with pytest.raises(ValueError, match="provider must be one of"):
+        memkit.Checkpointing(budget_bytes=2**30, provider="moon")
+    with pytest.raises(ValueError, match="plan\\(\\) needs budget_bytes"):
+        memkit.Checkpointing().plan(memkit.load_model(PRESET))
+    stack = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+    with pytest.raises(TypeError, match="memkit.plan_checkpointing"):
+        memkit.Checkpointing(budget_bytes=2**30).apply(stack)

@@ -48,10 +48,12 @@ class CheckpointPlan:
         return self.predicted_peak_bytes <= self.budget_bytes
 
     def __str__(self) -> str:
+        from ..units import format_bytes
+
         verdict = "fits" if self.fits else "does NOT fit"
         return (
             f"{self.config}: {self.checkpointed} of {self.blocks} blocks checkpointed, predicted peak "
-            f"{self.predicted_peak_bytes / 2**30:.3f} GiB, {verdict} the budget of {self.budget_bytes / 2**30:.3f} GiB"
+            f"{format_bytes(self.predicted_peak_bytes)}, {verdict} the budget of {format_bytes(self.budget_bytes)}"
         )
 
 

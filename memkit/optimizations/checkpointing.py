@@ -29,6 +29,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,6 +37,9 @@ import torch.utils.checkpoint
 
 from ..handle import Handle
 from ..memory.tracker import off_device
+
+if TYPE_CHECKING:
+    from .checkpoint_plan import CheckpointPlan
 
 PATTERN_FORMS = ("none", "all", "every:N", "skip-every:N", "first:K", "last:K")
 """The string forms of a pattern; a tuple of block indices or a callable ``(index, block) -> bool`` also work."""
@@ -292,8 +296,28 @@ class Checkpointing:
     blocks: str | None = None
     """For a model that is not a diffusers model: the name of its ``nn.ModuleList`` of blocks (default: the
     longest)."""
+    budget_bytes: int | None = None
+    """A memory budget in bytes instead of a pattern (``pattern="auto"``): the fewest blocks, spread evenly,
+    whose estimated peak fits it (:func:`memkit.plan_checkpointing`). ``estimate`` plans for its own step and
+    sizes; ``apply(model)`` plans for a diffusers model's default inputs and dtype on its device (use
+    :meth:`plan` or :func:`memkit.plan_checkpointing` to plan for other inputs)."""
 
     def __post_init__(self) -> None:
+        if self.budget_bytes is not None:
+            budget = self.budget_bytes
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+                raise ValueError(f"budget_bytes must be a positive int (bytes) or None, got {budget!r}")
+            if self.pattern not in ("all", "auto"):  # "all" is the default: budget_bytes alone means "auto"
+                raise ValueError(
+                    f"give a pattern or budget_bytes, not both: pattern={self.pattern!r} with budget_bytes={budget}"
+                )
+            object.__setattr__(self, "pattern", "auto")
+        elif self.pattern == "auto":
+            raise ValueError("pattern='auto' needs budget_bytes=, the memory budget to fit (bytes)")
+        if self.pattern == "auto":
+            if self.provider not in PROVIDERS:
+                raise ValueError(f"provider must be one of {list(PROVIDERS)}, got {self.provider!r}")
+            return
         _check_pattern(self.pattern)
         if isinstance(self.pattern, list):
             object.__setattr__(self, "pattern", tuple(self.pattern))
@@ -302,6 +326,37 @@ class Checkpointing:
         if self.blocks is not None and not isinstance(self.blocks, str):
             raise TypeError(f"blocks must be the name of an nn.ModuleList or None, got {type(self.blocks).__name__}")
 
+    def plan(self, model: torch.nn.Module, **kwargs: Any) -> CheckpointPlan:
+        """The pattern ``budget_bytes`` chooses for ``model`` (a diffusers model: planned on a fake copy built
+        from its config, so nothing is allocated). ``kwargs`` are :func:`memkit.plan_checkpointing`'s
+        (``inputs``, ``step``, sizes...); by default the model's dtype, its device (``"cuda"`` or ``"cpu"``)
+        and ``make_inputs``' default inputs.
+
+        Example:
+            >>> plan = memkit.Checkpointing(budget_bytes=16 * 2**30).plan(transformer, height=1024, width=1024)
+            >>> plan.config.apply(transformer)
+        """
+        from .checkpoint_plan import plan_checkpointing
+
+        if self.budget_bytes is None:
+            raise ValueError("plan() needs budget_bytes=, the memory budget to fit (bytes)")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not (callable(getattr(type(model), "from_config", None)) and hasattr(model, "config")):
+            raise TypeError(
+                f"budget_bytes plans on a fake copy built from a diffusers model's config; {type(model).__name__} "
+                "has none: call memkit.plan_checkpointing(lambda: build_model(), budget_bytes, inputs=...) and "
+                "apply its plan.config"
+            )
+        param = next(model.parameters(), None)
+        defaults: dict[str, Any] = {}
+        if param is not None:
+            defaults = {"dtype": param.dtype, "device": "cuda" if param.device.type == "cuda" else "cpu"}
+        cls, config = type(model), model.config
+        return plan_checkpointing(
+            lambda: cls.from_config(config), self.budget_bytes, provider=self.provider, **{**defaults, **kwargs}
+        )
+
     def select(self, model: torch.nn.Module) -> list[tuple[str, bool]]:
         """Every block of ``model`` by name, and whether this pattern checkpoints it.
 
@@ -309,6 +364,8 @@ class Checkpointing:
             >>> memkit.Checkpointing(pattern="every:2").select(model)
             [('transformer_blocks.0', True), ('transformer_blocks.1', False), ...]
         """
+        if self.pattern == "auto":
+            return self.plan(model).config.select(model)
         blocks = self._blocks(model)
         return [
             (name, chosen)
@@ -324,6 +381,11 @@ class Checkpointing:
         """Turn checkpointing on for the chosen blocks of ``model``; returns the handle that turns it off."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if self.pattern == "auto":
+            plan = self.plan(model)
+            if not plan.fits:
+                warnings.warn(f"budget_bytes: {plan}; checkpointing every block, the least memory", stacklevel=2)
+            return plan.config.apply(model)
         blocks = self._blocks(model)
         chosen = _selected(self.pattern, [b for _, b in blocks])
         if getattr(model, "_supports_gradient_checkpointing", False) and self.blocks is None:
@@ -395,7 +457,11 @@ class Checkpointing:
         return cls(pattern=pattern, provider=provider or "torch")
 
     def __str__(self) -> str:
-        if isinstance(self.pattern, str):
+        if self.pattern == "auto":
+            from ..units import format_bytes
+
+            pattern = f"auto<={format_bytes(self.budget_bytes)}".replace(" ", "")
+        elif isinstance(self.pattern, str):
             pattern = self.pattern
         elif callable(self.pattern):
             pattern = getattr(self.pattern, "__name__", "custom")
