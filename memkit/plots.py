@@ -166,7 +166,9 @@ def timeline_figure(
     that draws the exact peak; in exchange, blips shorter than a bucket may be drawn lower than they were.
     Several devices (whose baseline split is known, as in every snapshot) get one panel each with its own
     peak, never one stack summed across GPUs; the title gives their sum. A trace without times
-    (``meta["time_unit"] == "event"``) is drawn against the event index and labelled so.
+    (``meta["time_unit"] == "event"``) is drawn against the event index and labelled so. A snapshot's
+    baseline (blocks live before its trace, of unknown category) is drawn as a dashed line and named so; a
+    peak that no event reached (memory never rose above the baseline) is annotated as the baseline, with no time.
 
     Example:
         >>> with memkit.track(model, optimizer=opt, inputs=x) as tl:
@@ -184,9 +186,16 @@ def timeline_figure(
     else:
         fig = go.Figure()
     shown: set[str] = set()
+    before = "the trace" if timeline.meta.get("source") == "snapshot" else "tracking"
+    t_start = min(0.0, float(timeline.time[0])) if len(timeline) else 0.0
+    t_end = float(timeline.time[-1]) if len(timeline) else 0.0
+    instant = t_end <= t_start  # one moment only: plotly would centre it on an axis from -1 to 1
     for row, panel in enumerate(panels, 1):
         where = {"row": row, "col": 1} if split else {}
         x, _, by_cat = _series(panel, max_points)
+        if x[-1] < t_end:  # a device whose last event came earlier (or never) holds its memory to the end
+            x = np.append(x, t_end)
+            by_cat = {c: np.append(v, v[-1]) for c, v in by_cat.items()}
         x32 = x.astype(np.float32)  # a third smaller figure; float32 still resolves 8 µs at t = 100 s
         for cat in _nonzero_categories(panel):
             color = CATEGORY_COLORS[cat]
@@ -197,11 +206,20 @@ def timeline_figure(
         total_name = f"total {devices[row - 1]}" if split else "total"
         total = _step(x32, sum(by_cat.values()) / div, total_name, unit, line={"width": 1, "color": "#333"})
         fig.add_trace(total, **where)
+        if before == "the trace" and panel.baseline_bytes:  # a snapshot's baseline is all "unknown": say what it is
+            name, base = f"baseline (live before {before})", panel.baseline_bytes / div
+            dash = {"width": 1, "color": "#666", "dash": "dash"}
+            legend = {"legendgroup": "baseline", "showlegend": "baseline" not in shown}
+            shown.add("baseline")
+            ends = np.array([t_start, t_start + 1.0 if instant else t_end], dtype=np.float32)
+            fig.add_trace(_step(ends, np.array([base, base]), name, unit, line=dash, **legend), **where)
         peak, t_peak = panel.peak_bytes, panel.peak_time
         marker = {"symbol": "diamond", "size": 10, "color": "#111", "line": {"width": 1, "color": "white"}}
         dot = go.Scatter(x=[t_peak], y=[peak / div], name="peak", mode="markers", marker=marker, showlegend=False)
         fig.add_trace(dot, **where)
         at = f"at event {t_peak:.0f}" if events else f"at {t_peak:.4g} s"
+        if panel.peak_index < 0:  # no event holds this peak: no time or index would be true
+            at = f"its baseline (live before {before}): never rose above it"
         note = f"peak {_fmt(peak / div, unit)} ({peak:,} B)<br>{at}"
         fig.add_annotation(
             x=t_peak, y=peak / div, text=note, arrowhead=2, ax=40, ay=-36, bgcolor="rgba(255,255,255,0.85)", **where
@@ -225,6 +243,8 @@ def timeline_figure(
         title += f" ({len(devices)} devices, each on its own; their sum peaked at {total})"
     x_title = "event (the trace has no times)" if events else "time (s)"
     fig.update_xaxes(title_text=x_title, row=len(panels) if split else None, col=1 if split else None)
+    if instant:
+        fig.update_xaxes(range=[t_start, t_start + 1.0])
     fig.update_yaxes(title_text=f"live memory ({unit})")
     fig.update_layout(title=title, hovermode="x unified", legend_tracegroupgap=6, **_LAYOUT)
     if split:

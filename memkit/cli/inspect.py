@@ -43,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nallocator segments when the snapshot was taken:")
         print(rows_text([row for d, info in segments.items() for row in _segment_rows(d, info, several)]))
     if len(timeline) == 0:
-        print("\nno trace: this file holds the allocator's segments only (record one with "
-              "torch.cuda.memory._record_memory_history() before torch.cuda.memory._dump_snapshot())")  # fmt: skip
+        print("\n" + _no_events(timeline))
         return 0
     for title, tl in [(None, timeline)] if not several else [(d, parts[d]) for d in devices]:
         top = tl.top_allocations(args.top) if tl.peak_index >= 0 else []
@@ -52,14 +51,33 @@ def run(args: argparse.Namespace) -> int:
         if not top:
             print(f"\nmemory{where} never rose above its baseline: no allocations at a peak")
             continue
-        at = _at(tl.peak_time, timeline)
+        at = _at(tl, timeline)
         print(f"\ntop {len(top)} allocations live at the peak{where} ({at}; op, then the innermost frame):")
         _print_table(top, with_device=several)
     return 0
 
 
-def _at(t: float, timeline) -> str:
+_RECORD = "torch.cuda.memory._record_memory_history() before torch.cuda.memory._dump_snapshot()"
+
+
+def _at(tl, timeline) -> str:
+    """When ``tl`` (the timeline or one device's part) peaked, in the trace's unit. Memory that never rose above
+    its baseline peaked at no event, so no time or event index is given for it."""
+    if tl.peak_index < 0:
+        what = "memory never rose above it" if len(tl) else "no allocation or free on this device"
+        return f"before the trace (its baseline: {what})"
+    t = tl.peak_time
     return f"event {t:.0f}" if timeline.meta.get("time_unit") == "event" else f"{t:.4g} s"
+
+
+def _no_events(timeline) -> str:
+    """Why a snapshot has no events: no trace at all, or a trace of markers and segment actions alone."""
+    entries = sum((timeline.meta.get("trace_entries") or {}).values())
+    if entries:
+        return f"no allocation or free in the trace: its {entries:,} entries are markers and segment actions"
+    if not timeline.meta.get("segments"):
+        return f"this file holds neither a trace nor segments: nothing was recorded (record with {_RECORD})"
+    return f"no trace: this file holds the allocator's segments only (record one with {_RECORD})"
 
 
 def _rows(timeline, parts: dict) -> list[tuple[str, str]]:
@@ -83,12 +101,16 @@ def _rows(timeline, parts: dict) -> list[tuple[str, str]]:
                 f"{format_bytes(timeline.baseline_bytes)} ({timeline.baseline_bytes:,} B)",
             ),
             ("peak" + sum_note, f"{format_bytes(timeline.peak_bytes)} ({timeline.peak_bytes:,} B)"),
-            ("peak at", f"{_at(timeline.peak_time, timeline)}, phase {timeline.peak_phase}"),
+            (
+                "peak at",
+                _at(timeline, timeline) + (f", phase {timeline.peak_phase}" if timeline.peak_index >= 0 else ""),
+            ),
         ]
         rows += [(f"  {c}", format_bytes(v)) for c, v in timeline.peak_by_category().items() if v]
         for device, tl in parts.items():
-            at = _at(tl.peak_time, timeline)
-            rows.append((f"peak {device}", f"{format_bytes(tl.peak_bytes)} ({tl.peak_bytes:,} B) at {at}"))
+            at = _at(tl, timeline)
+            at = f"at {at}" if tl.peak_index >= 0 else at
+            rows.append((f"peak {device}", f"{format_bytes(tl.peak_bytes)} ({tl.peak_bytes:,} B) {at}"))
             rows.append((f"  baseline {device}", format_bytes(tl.baseline_bytes)))
     for key, label in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated (blocks)")):
         for device, nbytes in (meta.get(key) or {}).items():
@@ -156,7 +178,8 @@ def _json(timeline, parts: dict, n: int) -> dict[str, Any]:
     summary = timeline.summary()
     unit = "event" if meta.get("time_unit") == "event" else "s"
     top = timeline.top_allocations(n) if timeline.peak_index >= 0 else []
-    summary.update(devices=timeline.devices, time_unit=unit, top=top)
+    # peak_time is 0.0 when memory never rose; peak_index -1 says so
+    summary.update(devices=timeline.devices, time_unit=unit, peak_index=timeline.peak_index, top=top)
     if parts:
         summary["peak_bytes_sums_devices"] = True
         summary["by_device"] = {
@@ -164,12 +187,13 @@ def _json(timeline, parts: dict, n: int) -> dict[str, Any]:
                 "baseline_bytes": tl.baseline_bytes,
                 "peak_bytes": tl.peak_bytes,
                 "peak_time": tl.peak_time,
+                "peak_index": tl.peak_index,
                 "peak_by_category": tl.peak_by_category(),
                 "top": tl.top_allocations(n) if tl.peak_index >= 0 else [],
             }
             for d, tl in parts.items()
         }
-    for key in ("reserved_bytes", "allocated_bytes", "unaccounted_bytes", "segments"):
+    for key in ("reserved_bytes", "allocated_bytes", "unaccounted_bytes", "segments", "trace_entries"):
         if key in meta:
             summary[key] = meta[key]
     return summary

@@ -4,8 +4,9 @@ torch lists frames innermost first. A Python frame's file ends in ``.py`` (or is
 else (``??``, ``libtorch_cuda.so``, ``thread48.o``) is native. The site is the innermost Python frames; a stack
 without any (the autograd engine's threads record C++ only) shows its innermost *meaningful* C++ frames, past
 the unwinder, the caching allocator, ``empty`` and thread start-up, or :data:`NO_SITE` when nothing else is
-there. The phase is read from frames that name it (``backward`` and the autograd engine, ``torch/optim`` and
-``_foreach_`` ops, diffusers' EMA ``step``, a module's ``forward``), else left unknown ("other").
+there. The phase is read from frames that name it (``backward`` and the autograd engine, ``torch/optim``, an
+optimizer file's ``step`` and ``_foreach_`` ops, diffusers' EMA ``step``, a module's ``forward``), else left
+unknown ("other").
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def _file_and_name(frame: Mapping) -> tuple[str, str]:
     return filename, name
 
 
+def _is_optimizer(filename: str, name: str) -> bool:
+    """A frame of an optimizer: a file under an ``optim/`` package (torch's, bitsandbytes'), or a ``step`` in a
+    file named for one (accelerate's ``optimizer.py``, transformers' ``optimization.py``)."""
+    path = filename.replace("\\", "/")
+    return "/optim/" in path or (name == "step" and "optim" in path.rsplit("/", 1)[-1])
+
+
 def phase_of(frames: list) -> int:
     """The phase code that the frames name (-1: none does). Backward wins (a checkpoint's recompute runs
     forwards inside it), then EMA, the optimizer and forward."""
@@ -63,7 +71,7 @@ def phase_of(frames: list) -> int:
             return PHASE_CODE["backward"]
         if python and name == "step" and filename.endswith("training_utils.py"):
             found.add("ema")
-        elif (python and "/optim/" in filename.replace("\\", "/")) or "_foreach_" in name:
+        elif (python and _is_optimizer(filename, name)) or "_foreach_" in name:
             found.add("optimizer")
         elif python and name in _FORWARD_PY:
             found.add("forward")

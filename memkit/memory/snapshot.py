@@ -20,9 +20,11 @@ own code (``c10/cuda/CUDACachingAllocator.cpp``, ``torch/utils/viz/MemoryViz.js`
   the live bytes of ``segments``; any difference is reported in ``meta["unaccounted_bytes"]``.
 - **Devices.** Every device with a trace entry (a ``snapshot`` marker alone counts) or a segment is one of
   ``timeline.devices``; the devices' events share one time line, so ``peak_bytes`` is their sum at one moment
-  and ``peak_by_device()`` each GPU's own peak. Traces without ``time_us`` (torch 2.1) are ordered by event
-  index, ``meta["time_unit"] == "event"``; several such traces are laid end to end, so only each device's
-  own peak means something.
+  and ``peak_by_device()`` each GPU's own peak. Each device keeps its trace's order: a ``time_us`` earlier
+  than the entry before it (clock jitter between threads) is taken as that entry's. Traces without
+  ``time_us`` (torch 2.1) are ordered by event index, ``meta["time_unit"] == "event"``; several such traces
+  are laid end to end, so only each device's own peak means something. ``meta["trace_entries"]`` counts
+  each device's trace entries, markers and segment actions included.
 - **Categories.** Snapshots from CUDA have none, and none is guessed: events and baseline are ``"unknown"``
   (``default_category``). The ``category`` key that ``torch.cuda._memory_viz._profile_to_snapshot`` writes
   is understood (a free takes the category of its alloc). memkit writes each entry's category, phase and op
@@ -278,6 +280,8 @@ def _events(traces: list, frames: Frames, header: dict) -> tuple[dict[str, np.nd
             free_actions,
             "s",
         )
+    for c in per_device:  # trace order is the allocator's: a time before the entry above it is clock jitter
+        c["time"] = np.maximum.accumulate(c["time"])
     cols = {k: np.concatenate([c[k] for c in per_device]) for k in per_device[0]}
     t = cols["time"]
     if np.isnan(t).any():
@@ -426,6 +430,7 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     net += np.bincount(cols["device"][before], weights=cols["bytes"][before], minlength=len(used))
     totals = segments.totals
     meta: dict[str, Any] = {"source": "snapshot", "time_unit": time_unit}
+    meta["trace_entries"] = {names[d]: len(traces[d]) for d in used if d < len(traces)}
     for key, kind in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated")):
         meta[key] = {names[d]: v for d, v in totals[kind].items()}
     meta["free_action"] = {names[d]: a for d, a in free_actions.items()}
