@@ -193,7 +193,9 @@ def timeline_figure(
     for row, panel in enumerate(panels, 1):
         where = {"row": row, "col": 1} if split else {}
         x, _, by_cat = _series(panel, max_points)
-        if x[-1] < t_end:  # a device whose last event came earlier (or never) holds its memory to the end
+        # a device whose last event came earlier (or never) holds its memory to the end; untimed traces are laid
+        # end to end, so a device's level is drawn past its own events only when it has none
+        if x[-1] < t_end and (not events or len(panel) == 0):
             x = np.append(x, t_end)
             by_cat = {c: np.append(v, v[-1]) for c, v in by_cat.items()}
         x32 = x.astype(np.float32)  # a third smaller figure; float32 still resolves 8 µs at t = 100 s

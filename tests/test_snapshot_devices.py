@@ -319,3 +319,44 @@ def test_a_single_moment_is_not_centred_on_an_axis_from_minus_one():
     assert tuple(fig.layout.xaxis.range) == (0.0, 1.0)
     two = dict(data, device_traces=[[entry("alloc", a, MiB, 7), entry("alloc", a + MiB, MiB, 9)]])
     assert plots.timeline_figure(read_snapshot(pickled(two))).layout.xaxis.range is None
+
+
+def test_untimed_devices_are_not_drawn_past_their_own_events():
+    # torch 2.1 traces have no time_us: the devices' traces are laid end to end, so drawing cuda:0's level on
+    # beside cuda:1's events would claim moments that were never measured together
+    a, b = 0x7F00_0000_0000, 0x7F10_0000_0000
+    data = {
+        "segments": [
+            segment(0, [(a, MiB, MiB, "active_allocated")]),
+            segment(1, [(b, 2 * MiB, 2 * MiB, "active_allocated")]),
+        ],
+        "device_traces": [[entry("alloc", a, MiB)], [entry("alloc", b, MiB), entry("alloc", b + MiB, MiB)]],
+    }
+    data["segments"][1]["blocks"] = [
+        {"address": b, "size": MiB, "requested_size": MiB, "state": "active_allocated", "frames": []},
+        {"address": b + MiB, "size": MiB, "requested_size": MiB, "state": "active_allocated", "frames": []},
+    ]
+    tl = read_snapshot(pickled(data))
+    assert tl.meta["time_unit"] == "event" and tl.time.tolist() == [0, 1, 2]
+    drawn = lines(plots.timeline_figure(tl))
+    assert drawn["total cuda:0"][0].tolist() == [0, 0] and drawn["total cuda:1"][0].tolist() == [0, 1, 2]
+
+
+def test_the_top_allocations_say_the_baseline_is_not_among_them(capsys, tmp_path):
+    # 13 GiB of weights allocated before the trace are no trace entry: the list must not pass for everything
+    a, b = 0x7F00_0000_0000, 0x7F10_0000_0000
+    data = {
+        "segments": [
+            segment(0, [(a, 13 << 30, 13 << 30, "active_allocated"), (a + (13 << 30), MiB, 0, "inactive")]),
+            segment(1, [(b, 2 * MiB, 0, "inactive")]),
+        ],
+        "device_traces": [
+            [entry("alloc", a + (13 << 30), MiB, 1), entry("free_completed", a + (13 << 30), MiB, 2)],
+            [entry("alloc", b, 2 * MiB, 3), entry("free_completed", b, 2 * MiB, 4)],
+        ],
+    }
+    ref = walk(data)
+    out = inspect(capsys, tmp_path, data)
+    cuda0, cuda1 = out.split("allocations live at the peak on cuda:")[1:]
+    assert "not listed: blocks allocated before the trace began (13.00 GiB at its start)" in cuda0
+    assert ref["baseline"] == {0: 13 << 30, 1: 0} and "not listed" not in cuda1

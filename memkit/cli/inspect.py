@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         at = _at(tl, timeline)
         print(f"\ntop {len(top)} allocations live at the peak{where} ({at}; op, then the innermost frame):")
         _print_table(top, with_device=several)
+        if timeline.meta.get("source") == "snapshot" and tl.baseline_bytes:  # the trace has no entry for them
+            before = format_bytes(tl.baseline_bytes)
+            print(f"  not listed: blocks allocated before the trace began ({before} at its start)")
     return 0
 
 
