@@ -360,3 +360,21 @@ def test_the_top_allocations_say_the_baseline_is_not_among_them(capsys, tmp_path
     cuda0, cuda1 = out.split("allocations live at the peak on cuda:")[1:]
     assert "not listed: blocks allocated before the trace began (13.00 GiB at its start)" in cuda0
     assert ref["baseline"] == {0: 13 << 30, 1: 0} and "not listed" not in cuda1
+
+
+def test_the_site_column_is_short_for_native_frames_with_a_file_and_paths_with_spaces(capsys, tmp_path):
+    native = [
+        {"filename": "??", "line": 0, "name": "torch::unwind::unwind()"},
+        {"filename": "/pytorch/aten/src/ATen/native/cuda/Blas.cpp", "line": 345,
+         "name": "at::native::addmm_out_cuda_impl(at::Tensor&, at::Tensor const&, at::Tensor const&)"},
+        {"filename": "??", "line": 0, "name": "torch::autograd::Engine::thread_main(GraphTask const&)"},
+    ]  # fmt: skip
+    spaced = [{"filename": "C:\\Program Files\\app\\model.py", "line": 12, "name": "forward"}]
+    data = {
+        "segments": [],
+        "device_traces": [[entry("alloc", 0x1000, 8 * MiB, 1, native), entry("alloc", 0x900000, 4 * MiB, 2, spaced)]],
+    }
+    out = inspect(capsys, tmp_path, data)
+    table = out.split("op, then the innermost frame):\n")[1].splitlines()
+    assert table[0].split("backward")[1].strip() == "Blas.cpp:345 at::native::addmm_out_cuda_impl()"
+    assert table[1].split("forward", 1)[1].strip() == "model.py:12 forward"

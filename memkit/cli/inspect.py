@@ -13,6 +13,8 @@ from ..units import format_bytes
 from ._common import CLIError, check_writable, rows_text, write_figure
 
 _ARGS = re.compile(r"\(.*\)( const)?$")  # a C++ frame's argument list, too long to show
+_FRAME = re.compile(r"^(.*?):(\d+) (.*)$")  # a frame text line: file:line name (the file may hold spaces)
+_PY = (".py", ".pyw", ".pyx", ".pyi")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,17 +153,20 @@ def _segment_rows(device: str, info: dict[str, Any], several: bool) -> list[tupl
 
 
 def _site(frame: str | None) -> str:
-    """The innermost line of a frame text, short: ``file.py name`` or a C++ function without its arguments."""
+    """The innermost line of a frame text, short: ``file.py:line name``, or a C++ function without its arguments
+    (after its file's name when there is one)."""
     if not frame:
         return ""
     line = frame.splitlines()[-1]
-    path, _, func = line.partition(" ")
-    if not func:  # a name-only line
+    m = _FRAME.match(line)
+    if not m:  # a name-only line, or no site at all
         return line
-    if path.endswith(":0") and not path.split(":")[0].endswith(".py"):  # a native frame
-        func = _ARGS.sub("()", func)
-        return func if path.startswith("??") else f"{Path(path.rsplit(':', 1)[0]).name} {func}"
-    return f"{Path(path).name} {func}".strip()
+    path, number, func = m.groups()
+    name = re.split(r"[/\\]", path)[-1]
+    if name.endswith(_PY) or path.startswith("<"):
+        return f"{name}:{number} {func}"
+    func = _ARGS.sub("()", func)  # a native frame: its arguments would fill the line
+    return func if path == "??" else f"{name}{'' if number == '0' else ':' + number} {func}"
 
 
 def _print_table(top: list[dict], *, with_device: bool) -> None:
