@@ -378,3 +378,37 @@ def test_the_site_column_is_short_for_native_frames_with_a_file_and_paths_with_s
     table = out.split("op, then the innermost frame):\n")[1].splitlines()
     assert table[0].split("backward")[1].strip() == "Blas.cpp:345 at::native::addmm_out_cuda_impl()"
     assert table[1].split("forward", 1)[1].strip() == "model.py:12 forward"
+
+
+def oom(size, free, t=None):
+    e = {"action": "oom", "size": size, "device_free": free, "stream": 0, "frames": []}  # torch logs no address
+    if t is not None:
+        e["time_us"] = t
+    return e
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_an_out_of_memory_error_is_named_with_its_device_and_what_was_asked(capsys, tmp_path, timed):
+    a, b = 0x7F00_0000_0000, 0x7F10_0000_0000
+    t = (lambda us: us) if timed else (lambda us: None)
+    data = {
+        "segments": [
+            segment(0, [(a, 2 * MiB, 2 * MiB, "active_allocated")]),
+            segment(1, [(b, 70 << 30, 70 << 30, "active_allocated")]),
+        ],
+        "device_traces": [
+            [entry("alloc", a, 2 * MiB, t(1_000_000))],
+            [entry("alloc", b, 70 << 30, t(2_000_000)), oom(20 << 30, 512 * MiB, t(4_500_000))],
+        ],
+    }
+    tl = read_snapshot(pickled(data))
+    when = 3.5 if timed else None  # seconds since the first event, 1 s
+    assert tl.meta["out_of_memory"] == [
+        {"device": "cuda:1", "requested_bytes": 20 << 30, "device_free_bytes": 512 * MiB, "time": when}
+    ]
+    assert len(tl) == 2 and tl.peak_by_device() == {"cuda:0": 2 * MiB, "cuda:1": 70 << 30}  # the oom is no event
+    table = rows(inspect(capsys, tmp_path, data))
+    expected = "asked for 20.00 GiB with 512.00 MiB free in CUDA" + (", at 3.5 s" if timed else "")
+    assert table["out of memory cuda:1"] == expected and "out of memory cuda:0" not in table
+    summary = json.loads(inspect(capsys, tmp_path, data, "--json"))
+    assert summary["out_of_memory"] == tl.meta["out_of_memory"]

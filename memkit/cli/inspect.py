@@ -15,6 +15,7 @@ from ._common import CLIError, check_writable, rows_text, write_figure
 _ARGS = re.compile(r"\(.*\)( const)?$")  # a C++ frame's argument list, too long to show
 _FRAME = re.compile(r"^(.*?):(\d+) (.*)$")  # a frame text line: file:line name (the file may hold spaces)
 _PY = (".py", ".pyw", ".pyx", ".pyi")
+_MAX_OOMS = 5  # out-of-memory errors listed in the text; --json has them all
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,11 +121,24 @@ def _rows(timeline, parts: dict) -> list[tuple[str, str]]:
     for key, label in (("reserved_bytes", "reserved"), ("allocated_bytes", "allocated (blocks)")):
         for device, nbytes in (meta.get(key) or {}).items():
             rows.append((f"{label} {device}", format_bytes(nbytes)))
+    ooms = meta.get("out_of_memory") or []
+    for oom in ooms[:_MAX_OOMS]:
+        free = oom["device_free_bytes"]
+        text = f"asked for {_bytes_or_unknown(oom['requested_bytes'])} with {_bytes_or_unknown(free)} free in CUDA"
+        if oom["time"] is not None:
+            text += f", at {oom['time']:.4g} s"
+        rows.append((f"out of memory {oom['device']}", text))
+    if len(ooms) > _MAX_OOMS:
+        rows.append(("out of memory", f"... and {len(ooms) - _MAX_OOMS} more (--json lists them all)"))
     for device, nbytes in (meta.get("unaccounted_bytes") or {}).items():
         rows.append((f"unaccounted {device}", f"{format_bytes(nbytes)} (trace and segments disagree)"))
     if snapshot and timeline.peak_by_category().get("unknown"):
         rows.append(("categories", "unknown: a CUDA snapshot records none, and memkit does not guess them"))
     return rows
+
+
+def _bytes_or_unknown(nbytes: int | None) -> str:
+    return "? bytes" if nbytes is None else format_bytes(nbytes)
 
 
 def _segment_rows(device: str, info: dict[str, Any], several: bool) -> list[tuple[str, str]]:
@@ -201,7 +215,7 @@ def _json(timeline, parts: dict, n: int) -> dict[str, Any]:
             }
             for d, tl in parts.items()
         }
-    for key in ("reserved_bytes", "allocated_bytes", "unaccounted_bytes", "segments", "trace_entries"):
+    for key in ("reserved_bytes", "allocated_bytes", "unaccounted_bytes", "segments", "trace_entries", "out_of_memory"):
         if key in meta:
             summary[key] = meta[key]
     return summary

@@ -38,6 +38,8 @@ own code (``c10/cuda/CUDACachingAllocator.cpp``, ``torch/utils/viz/MemoryViz.js`
 - **Segments.** ``meta["segments"]`` holds, per device, the segments, the blocks by state and size range, and
   the largest inactive block: all a file without a trace (``torch.cuda.memory_snapshot()``) has to say. Keys
   the reader does not use (``allocator_settings``, ``external_annotations``) are kept in ``meta``.
+- **Out of memory.** Each ``oom`` entry of a trace is listed in ``meta["out_of_memory"]``: the device, the bytes
+  asked for, the bytes CUDA had free, and its time (None without ``time_us``).
 
 Loading is safe: the unpickler refuses every global, so a crafted pickle raises :class:`SnapshotError`
 before it can run anything.
@@ -50,6 +52,7 @@ import os
 import pickle
 from collections.abc import Mapping, Sequence
 from itertools import repeat
+from math import isfinite
 from operator import itemgetter
 from typing import IO, Any
 
@@ -68,7 +71,7 @@ from .timeline import Timeline
 
 __all__ = ["NO_SITE", "STACK_FRAMES", "SnapshotError", "load_snapshot", "read_snapshot"]
 
-_ACTIONS = {ALLOC_ACTION: 0, FREE_ACTIONS[0]: 1, FREE_ACTIONS[1]: 2}
+_ACTIONS = {ALLOC_ACTION: 0, FREE_ACTIONS[0]: 1, FREE_ACTIONS[1]: 2, "oom": 3}
 _LIVE_STATES = frozenset(("active_allocated", "active_pending_free", "active_awaiting_free"))
 # torch.profiler's memory categories (``_profile_to_snapshot`` writes them) -> memkit's
 _FOREIGN_CATEGORY = {**{c: CATEGORY_CODE[c] for c in CATEGORIES}, "autograd_detail": CATEGORY_CODE["temporary"]}
@@ -164,15 +167,19 @@ def _bad_entry(trace: list, device: int) -> str:
     return f"device_traces[{device}] holds a malformed entry"
 
 
-def _device_events(trace: list, device: int, frames: Frames, free_text: bool) -> tuple[dict[str, np.ndarray], str]:
-    """One device's alloc and free events as arrays, in trace order. A free keeps its stack text only when
-    ``free_text`` (memkit's snapshots); in torch's it is where the tensor died, which the tracker doesn't record."""
+def _device_events(
+    trace: list, device: int, frames: Frames, free_text: bool
+) -> tuple[dict[str, np.ndarray], str, list[Mapping]]:
+    """One device's alloc and free events as arrays, in trace order, and its ``oom`` entries. A free keeps its
+    stack text only when ``free_text`` (memkit's snapshots); in torch's it is where the tensor died, which the
+    tracker doesn't record."""
     # C-level map/itemgetter pipelines: at 10^6 entries, a Python loop per entry would cost more than unpickling
     try:
         act = np.fromiter(map(_ACTIONS.get, map(itemgetter("action"), trace), repeat(-1)), np.int8, len(trace))
         # a trace recorded with skip_actions=["free_completed"] only has the requests
         free_code = 1 if (act == 1).any() and not (act == 2).any() else 2
         keep = np.flatnonzero((act == 0) | (act == free_code))
+        ooms = [trace[i] for i in np.flatnonzero(act == 3).tolist()]
         sel = trace if len(keep) == len(trace) else list(map(trace.__getitem__, keep.tolist()))
         n = len(sel)
         addr = np.fromiter(map(itemgetter("addr"), sel), np.int64, n)
@@ -205,7 +212,7 @@ def _device_events(trace: list, device: int, frames: Frames, free_text: bool) ->
         "frame": codes[:, 3],
         "storage": addr,
     }
-    return cols, FREE_ACTIONS[free_code - 1]
+    return cols, FREE_ACTIONS[free_code - 1], ooms
 
 
 def _pair(cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, set[tuple[int, int]]]:
@@ -267,18 +274,21 @@ def _header(data: Mapping) -> dict:
     return header if isinstance(header, dict) and header.get("version") == HEADER_VERSION else {}
 
 
-def _events(traces: list, frames: Frames, header: dict) -> tuple[dict[str, np.ndarray], dict[int, str], str]:
-    """Every device's events in time order (trace order when there are no times), times relative."""
-    per_device, free_actions = [], {}
+def _events(traces: list, frames: Frames, header: dict) -> tuple[dict[str, np.ndarray], dict[int, str], str, list]:
+    """Every device's events in time order (trace order when there are no times), times relative; and the
+    out-of-memory errors the traces logged, as ``(device, entry, time)``."""
+    per_device, free_actions, ooms = [], {}, []
     for d, trace in enumerate(traces):
         if trace:
-            cols, free_actions[d] = _device_events(trace, d, frames, free_text=bool(header))
+            cols, free_actions[d], found = _device_events(trace, d, frames, free_text=bool(header))
             per_device.append(cols)
+            ooms += [(d, e) for e in found]
     if not sum(len(c["action"]) for c in per_device):  # no trace, or markers and segment actions only
         return (
             {name: np.zeros(0, dtype=np.float64 if name == "time" else np.int64) for name, _ in COLUMNS},
             free_actions,
             "s",
+            [(d, e, None) for d, e in ooms],
         )
     for c in per_device:  # trace order is the allocator's: a time before the entry above it is clock jitter
         c["time"] = np.maximum.accumulate(c["time"])
@@ -286,14 +296,15 @@ def _events(traces: list, frames: Frames, header: dict) -> tuple[dict[str, np.nd
     t = cols["time"]
     if np.isnan(t).any():
         cols["time"] = np.arange(len(t), dtype=np.float64)
-        return cols, free_actions, "event"
+        return cols, free_actions, "event", [(d, e, None) for d, e in ooms]
     if len(per_device) > 1:
         order = np.argsort(t, kind="stable")
         cols = {k: v[order] for k, v in cols.items()}
     zero = header.get("time_zero_us")
     zero = float(zero) if isinstance(zero, (int, float)) else float(cols["time"].min())
     cols["time"] = (cols["time"] - zero) / 1e6
-    return cols, free_actions, "s"
+    at = [(e.get("time_us") - zero) / 1e6 if isinstance(e.get("time_us"), (int, float)) else None for _, e in ooms]
+    return cols, free_actions, "s", [(d, e, t) for (d, e), t in zip(ooms, at, strict=True)]
 
 
 def _size_bucket(nbytes: int) -> str:
@@ -370,6 +381,10 @@ class _Segments:
                 self.add("live_before", d, nbytes)
 
 
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and isfinite(value) else None
+
+
 def _phase_of_frees(cols: dict[str, np.ndarray]) -> None:
     """A free without memkit's marker takes the phase of the allocation before it on its device: the phase is a
     moment's, and torch often logs a free with its allocation's stack, which would name the wrong one."""
@@ -388,7 +403,7 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     header = _header(data)
     frames = Frames([], [])
     traces = data["device_traces"]
-    cols, free_actions, time_unit = _events(traces, frames, header)
+    cols, free_actions, time_unit, ooms = _events(traces, frames, header)
     cols["bytes"] = round_alloc(cols["bytes"], granularity)
 
     # a free belongs to the category of its alloc; what stays unknown gets the default
@@ -442,6 +457,16 @@ def _to_timeline(data: Mapping, default: int, granularity: int | None, device_na
     }
     if unaccounted:
         meta["unaccounted_bytes"] = unaccounted
+    if ooms:
+        meta["out_of_memory"] = [
+            {
+                "device": names[d],
+                "requested_bytes": _int_or_none(e.get("size")),
+                "device_free_bytes": _int_or_none(e.get("device_free")),
+                "time": t,
+            }
+            for d, e, t in ooms
+        ]
     for key, value in (header.get("meta") or {}).items():
         meta.setdefault(key, value)
     if (header.get("meta") or {}).get("time_unit") == "event":  # memkit wrote event indices as its times
