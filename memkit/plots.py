@@ -53,6 +53,7 @@ PHASE_COLORS: dict[str, str] = {
 
 _VARIANT_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
 _LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": {"groupclick": "toggleitem"}, "margin": {"r": 20}}
+_MAX_OOMS = 20  # out-of-memory lines drawn at most
 _MAX_PHASE_SPANS = 200  # beyond this, shading is binned: more rectangles than pixels only bloat the figure
 _STATE_COLORS = {  # the caching allocator's block states (segments_figure)
     "active_allocated": "#4C78A8",
@@ -168,7 +169,8 @@ def timeline_figure(
     peak, never one stack summed across GPUs; the title gives their sum. A trace without times
     (``meta["time_unit"] == "event"``) is drawn against the event index and labelled so. A snapshot's
     baseline (blocks live before its trace, of unknown category) is drawn as a dashed line and named so; a
-    peak that no event reached (memory never rose above the baseline) is annotated as the baseline, with no time.
+    peak that no event reached (memory never rose above the baseline) is annotated as the baseline, with no time;
+    the out-of-memory errors a snapshot's trace logged are dotted red lines on their device.
 
     Example:
         >>> with memkit.track(model, optimizer=opt, inputs=x) as tl:
@@ -188,7 +190,11 @@ def timeline_figure(
     shown: set[str] = set()
     before = "the trace" if timeline.meta.get("source") == "snapshot" else "tracking"
     t_start = min(0.0, float(timeline.time[0])) if len(timeline) else 0.0
+    ooms = [o for o in (timeline.meta.get("out_of_memory") or [])[:_MAX_OOMS] if o.get("time") is not None]
+    ooms = [o for o in ooms if o.get("device") in devices and not events]
+    # the window ends at the last event or the last out-of-memory error, whose memory was held until then
     t_end = float(timeline.time[-1]) if len(timeline) else 0.0
+    t_end = max([t_end, *(float(o["time"]) for o in ooms)])
     instant = t_end <= t_start  # one moment only: plotly would centre it on an axis from -1 to 1
     for row, panel in enumerate(panels, 1):
         where = {"row": row, "col": 1} if split else {}
@@ -237,6 +243,12 @@ def timeline_figure(
             legend["showlegend"] = first[name] == i
             shapes.append({**rect, **legend, "x0": t0, "x1": t1, "fillcolor": PHASE_COLORS[name]})
         fig.update_layout(shapes=shapes)  # one update: add_shape per span is quadratic
+    for oom in ooms:  # a snapshot's: where its run failed
+        asked = oom.get("requested_bytes")
+        text = "out of memory" + (f": asked for {_fmt(asked / div, unit)}" if asked is not None else "")
+        where = {"row": devices.index(oom["device"]) + 1, "col": 1} if split else {}
+        line = {"color": "#C00000", "width": 1.5, "dash": "dot"}
+        fig.add_vline(x=oom["time"], line=line, annotation_text=text, annotation_font_color="#C00000", **where)
     title = title or timeline.meta.get("label") or "Memory over the step"
     if split and events:  # untimed traces are laid end to end: their sum is no moment's
         title += f" ({len(devices)} devices, each on its own; their traces have no times)"

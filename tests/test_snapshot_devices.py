@@ -412,3 +412,30 @@ def test_an_out_of_memory_error_is_named_with_its_device_and_what_was_asked(caps
     assert table["out of memory cuda:1"] == expected and "out of memory cuda:0" not in table
     summary = json.loads(inspect(capsys, tmp_path, data, "--json"))
     assert summary["out_of_memory"] == tl.meta["out_of_memory"]
+
+
+def test_the_plot_marks_an_out_of_memory_error_on_its_device_and_reaches_it():
+    a, b = 0x7F00_0000_0000, 0x7F10_0000_0000
+    first_us, oom_us = 1_000_000, 6_000_000
+    data = {
+        "segments": [
+            segment(0, [(a, 2 * MiB, 2 * MiB, "active_allocated")]),
+            segment(1, [(b, 70 << 30, 70 << 30, "active_allocated")]),
+        ],
+        "device_traces": [
+            [entry("alloc", a, 2 * MiB, first_us)],
+            [entry("alloc", b, 70 << 30, 2_000_000), oom(20 << 30, 512 * MiB, oom_us)],
+        ],
+    }
+    fig = plots.timeline_figure(read_snapshot(pickled(data)), unit="GiB")
+    when = (oom_us - first_us) / 1e6
+    red = [s for s in fig.layout.shapes if s.line.dash == "dot"]
+    assert [(s.x0, s.x1, s.xref) for s in red] == [(when, when, "x2")]  # on cuda:1's panel
+    assert "out of memory: asked for 20.00 GiB" in [a.text for a in fig.layout.annotations]
+    drawn = lines(fig)
+    assert drawn["total cuda:0"][0][-1] == drawn["total cuda:1"][0][-1] == when  # memory held until the error
+    untimed = {
+        **data,
+        "device_traces": [[{k: v for k, v in e.items() if k != "time_us"} for e in t] for t in data["device_traces"]],
+    }
+    assert not [s for s in plots.timeline_figure(read_snapshot(pickled(untimed))).layout.shapes if s.line.dash == "dot"]

@@ -303,7 +303,7 @@ def _events(traces: list, frames: Frames, header: dict) -> tuple[dict[str, np.nd
     zero = header.get("time_zero_us")
     zero = float(zero) if isinstance(zero, (int, float)) else float(cols["time"].min())
     cols["time"] = (cols["time"] - zero) / 1e6
-    at = [(e.get("time_us") - zero) / 1e6 if isinstance(e.get("time_us"), (int, float)) else None for _, e in ooms]
+    at = [None if (us := _int_or_none(e.get("time_us"))) is None else (us - zero) / 1e6 for _, e in ooms]
     return cols, free_actions, "s", [(d, e, t) for (d, e), t in zip(ooms, at, strict=True)]
 
 
