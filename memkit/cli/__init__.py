@@ -176,16 +176,24 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         description=_wrap(
             "Read a CUDA allocator snapshot (torch.cuda.memory._dump_snapshot(), or one written by "
             "memkit.memory.write_snapshot) safely, without running any code it may contain, and print its "
-            "events, devices, baseline, peak (bytes), the time of the peak (seconds), the peak by category, the "
-            "allocator's reserved bytes, and the N largest allocations live at the peak."
+            "events, devices, baseline (what was live before the trace began), peak (bytes) and when it happened "
+            "(seconds, or the event index when the trace has no times), each GPU's own peak (a total over several "
+            "GPUs says so), out-of-memory errors, the allocator's segments by block state, and the N largest "
+            "allocations live at each peak. A snapshot records no categories: its bytes are 'unknown'."
         ),
         epilog="examples:\n  memkit inspect snapshot.pickle\n  memkit inspect snapshot.pickle --top 20 --html t.html",
         formatter_class=_Formatter,
     )
     p.add_argument("snapshot", metavar="SNAPSHOT.pickle", help="snapshot file")
-    p.add_argument("--top", type=int, default=10, metavar="N", help="how many allocations at the peak to list")
-    p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON (bytes, seconds) instead")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="how many allocations at each peak to list")
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="write the memory timeline as an interactive HTML figure (a panel per GPU; the segments if no trace)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as JSON instead (bytes; seconds, or events: time_unit)"
+    )
     p.set_defaults(run=_runner("inspect"))
 
 
