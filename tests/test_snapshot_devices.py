@@ -240,7 +240,9 @@ def test_a_peak_an_event_reached_keeps_its_time(capsys, tmp_path):
     ("traces", "segments", "message"),
     [
         ([[entry("snapshot", 0, 0, 1), entry("segment_alloc", 0x1000, 2 * MiB, 2)]], True,
-         "no allocation or free in the trace: its 2 entries are markers and segment actions"),
+         "no allocation or free in the trace: it holds 2 other entries (markers, segment actions, out-of-memory"),
+        ([[{"action": "oom", "size": 5 * MiB, "device_free": 0, "stream": 0, "time_us": 3}]], True,
+         "no allocation or free in the trace: it holds 1 other entry (markers"),
         ([[], []], True, "no trace: this file holds the allocator's segments only"),
         ([], False, "this file holds neither a trace nor segments"),
     ],

@@ -80,7 +80,8 @@ def _no_events(timeline) -> str:
     """Why a snapshot has no events: no trace at all, or a trace of markers and segment actions alone."""
     entries = sum((timeline.meta.get("trace_entries") or {}).values())
     if entries:
-        return f"no allocation or free in the trace: its {entries:,} entries are markers and segment actions"
+        other = f"{entries:,} other entr{'y' if entries == 1 else 'ies'}"
+        return f"no allocation or free in the trace: it holds {other} (markers, segment actions, out-of-memory errors)"
     if not timeline.meta.get("segments"):
         return f"this file holds neither a trace nor segments: nothing was recorded (record with {_RECORD})"
     return f"no trace: this file holds the allocator's segments only (record one with {_RECORD})"
