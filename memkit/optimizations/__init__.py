@@ -20,11 +20,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from types import MappingProxyType
 
 from ..handle import Optimization
-from .checkpointing import Checkpointing
+from .checkpointing import PROVIDERS, Checkpointing
 
 __all__ = ["REGISTRY", "Checkpointing", "Spec", "parse", "register"]
 
@@ -51,6 +51,18 @@ class Spec:
     """Values a menu offers, the default first; ``parse`` may accept more (e.g. any ``every:N``)."""
     report: tuple[str, ...] = ()
     """Values ``memkit report`` compares against the baseline, one variant each."""
+    panel: tuple[str, ...] = ()
+    """The config's fields a widget panel shows, in this order (the others keep their defaults); empty: every
+    field whose type a panel can edit (``bool``, ``int``, ``float``, ``str``, ``Literal[...]``, a dtype, each
+    optionally ``| None``)."""
+    field_choices: Mapping[str, tuple] = field(default_factory=dict, hash=False)
+    """Values a panel offers for a field whose type does not list them: a menu for a plain ``str`` field
+    (``provider``), suggestions beside free text for a field that takes more than its string forms
+    (``pattern``: ``"every:3"`` or a tuple of indices)."""
+
+    def __post_init__(self) -> None:
+        choices = MappingProxyType({k: tuple(v) for k, v in self.field_choices.items()})
+        object.__setattr__(self, "field_choices", choices)
 
     def parse(self, value: str) -> Optimization:
         """The config ``value`` names; a ValueError names the value and what is allowed."""
@@ -83,6 +95,12 @@ def register(spec: Spec) -> Spec:
         raise ValueError(f"an optimization named {spec.name!r} is registered already")
     if not spec.choices:
         raise ValueError(f"spec.choices must name at least one value for {spec.name!r}")
+    if is_dataclass(spec.config):
+        names = [f.name for f in fields(spec.config)]
+        for what, listed in (("panel", spec.panel), ("field_choices", tuple(spec.field_choices))):
+            unknown = [n for n in listed if n not in names]
+            if unknown:
+                raise ValueError(f"spec.{what} names {unknown}, not fields of {spec.config.__name__}: {names}")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -114,6 +132,11 @@ register(
         metavar="PATTERN[@PROVIDER]",
         choices=("all", "every:2", "every:4", "skip-every:4", "all@selective", "all@offload", "none"),
         report=("all", "every:2"),
+        panel=("pattern", "provider", "budget_bytes"),
+        field_choices={
+            "pattern": ("all", "none", "every:2", "every:4", "skip-every:2", "first:1", "last:1"),
+            "provider": PROVIDERS,
+        },
     )
 )
 
@@ -128,6 +151,7 @@ register(
         metavar="SPLITS[:MODE]",
         choices=("4", "2", "8"),
         report=("4",),
+        panel=("splits", "mode", "recompute"),
     )
 )
 
@@ -142,5 +166,6 @@ register(
         metavar="MODE[:every=N]",
         choices=("device", "offload", "cpu_only"),
         report=("device", "cpu_only"),
+        panel=("mode", "foreach", "update_every", "decay", "dtype"),
     )
 )
