@@ -50,8 +50,20 @@ _EXPORTS = {
     "Variant": ".comparison",
     "VariantResult": ".comparison",
     "estimate": ".estimation",
+    "Playground": ".widgets.app",
 }
-_SUBMODULES = ("memory", "optimizations", "plots", "step", "models", "presets", "handle", "comparison", "estimation")
+_SUBMODULES = (
+    "memory",
+    "optimizations",
+    "plots",
+    "step",
+    "models",
+    "presets",
+    "handle",
+    "comparison",
+    "estimation",
+    "widgets",
+)
 
 __all__ = [
     "CATEGORIES",
@@ -64,6 +76,7 @@ __all__ = [
     "Optimization",
     "PHASES",
     "PRESETS",
+    "Playground",
     "SIZES",
     "Step",
     "Timeline",
@@ -79,10 +92,11 @@ __all__ = [
     "plots",
     "track",
     "train_step",
+    "widgets",
 ]
 
 if TYPE_CHECKING:
-    from . import memory, optimizations, plots
+    from . import memory, optimizations, plots, widgets
     from .comparison import Comparison, Variant, VariantResult, compare
     from .estimation import estimate
     from .handle import Handle, Optimization
@@ -96,6 +110,7 @@ if TYPE_CHECKING:
     from .optimizations.feedforward import FFSplit
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
+    from .widgets.app import Playground
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,308 @@
+"""``memkit.Playground()``: pick a model and optimizations, run them, watch memory live, read the verdict.
+
+The app is controls around a :class:`~memkit.widgets.state.PlaygroundState`: every widget writes its value into
+the state, the buttons call the state's ``run``/``estimate`` in a background thread (so Stop stays clickable),
+and the results come back as plain data that ``memkit.plots`` draws. No torch here.
+
+Layout, top to bottom: the model (preset, size, dtype, batch, input sizes, training or inference, optimizer);
+one panel per registered optimization; Run / Estimate / Stop with a progress bar; errors and warnings; the
+live timeline of the step being tracked; the comparison table (peak by category, time, Δoutput, Δgrad, pass)
+and the figure of peaks and overlaid timelines.
+
+Example:
+    >>> pg = memkit.Playground(preset="flux")
+    >>> pg                                      # in JupyterLab or Colab: the app
+    >>> pg.state.optimizations["checkpointing"].enabled = True; pg.run(wait=True).comparison.table()
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import ipywidgets as widgets
+
+from .. import plots
+from ..units import best_unit
+from .figures import FigureMode, figure_mode, make_figure
+from .panels import OptimizationPanel, set_tooltip
+from .state import DTYPES, INPUT_SIZES, VARIANT_MODES, PlaygroundState, RunResult
+
+__all__ = ["Playground"]
+
+_LABEL_WIDTH = "90px"
+_GRID = "repeat(auto-fill, minmax(260px, 1fr))"
+_TABLE_CSS = (
+    "<style>.memkit-table table{border-collapse:collapse;font-size:0.85em}"
+    ".memkit-table th,.memkit-table td{border:1px solid #ddd;padding:2px 6px;text-align:right;white-space:normal}"
+    ".memkit-table th{background:#f5f5f5}</style>"
+)
+
+
+class Playground:
+    """Toggle memkit's optimizations on a transformer, run the step, and compare it with the baseline.
+
+    Run compares the baseline with the enabled optimizations (all together, or each on its own) on real
+    tensors at the chosen size (``tiny`` in milliseconds, ``small`` in seconds), drawing the tracked step's
+    memory live; Estimate answers the same question for the released full-size model on fake tensors. Errors
+    show in the app; Stop ends a run between two ops.
+
+    Args:
+        figures: ``"widget"`` (live ``go.FigureWidget``), ``"display"`` (static figures re-displayed, for
+            Colab), or ``"auto"`` (:func:`~memkit.widgets.figures.figure_mode`).
+        registry: the optimizations to offer (default ``memkit.optimizations.REGISTRY``).
+        **settings: :class:`~memkit.widgets.state.PlaygroundState` arguments (``preset="dit"``, ``size``,
+            ``dtype``, ``mode``, ``optimizer``...).
+
+    Example:
+        >>> pg = memkit.Playground(preset="sd3", mode="training")
+        >>> pg          # shows the app; or call pg.run(wait=True) from code
+    """
+
+    def __init__(
+        self,
+        *,
+        figures: Literal["auto", "widget", "display"] = "auto",
+        registry: Mapping[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
+        if figures not in ("auto", "widget", "display"):
+            raise ValueError(f"figures must be 'auto', 'widget' or 'display', got {figures!r}")
+        self.state = PlaygroundState(registry=registry, **settings)
+        self.figure_mode: FigureMode = figure_mode() if figures == "auto" else figures
+        self.live = make_figure(self.figure_mode, height=360)
+        self.result_figure = make_figure(self.figure_mode, height=420)
+        self.last_result: RunResult | None = None
+        self._thread: threading.Thread | None = None
+        self._build_model_controls()
+        self.panels = {name: OptimizationPanel(s) for name, s in self.state.optimizations.items()}
+        self._build_actions()
+        self.widget = self._layout()
+
+    # ---- controls ---------------------------------------------------------------------------------------
+    def _build_model_controls(self) -> None:
+        from ..presets import PRESETS
+
+        s = self.state
+        c: dict[str, widgets.ValueWidget] = {}
+        options = [(f"{k}: {p.description}", k) for k, p in PRESETS.items()]
+        c["preset"] = widgets.Dropdown(options=options, value=s.preset, description="model")
+        c["size"] = widgets.ToggleButtons(options=["tiny", "small"], value=s.size, description="size")
+        c["dtype"] = widgets.Dropdown(options=list(DTYPES), value=s.dtype, description="dtype")
+        c["batch_size"] = widgets.BoundedIntText(value=s.batch_size, min=1, max=4096, description="batch")
+        for key in INPUT_SIZES:
+            c[key] = widgets.Text(value="", description=key.replace("_", " "))
+        c["mode"] = widgets.ToggleButtons(options=["training", "inference"], value=s.mode, description="step")
+        c["optimizer"] = widgets.Dropdown(
+            options=[("none", None), "adamw", "adam", "sgd"], value=s.optimizer, description="optimizer"
+        )
+        c["steps"] = widgets.BoundedIntText(value=s.steps, min=1, max=100, description="steps")
+        c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
+        c["variants"] = widgets.ToggleButtons(options=list(VARIANT_MODES), value=s.variants, description="variants")
+        tips = {
+            "preset": "a diffusers transformer (or the SD1.5 UNet) with random weights",
+            "size": "Run builds this size for real: tiny (milliseconds), small (30-100M parameters, seconds)",
+            "dtype": "parameters and inputs",
+            "batch_size": "samples per step",
+            "mode": "training: forward, loss, backward (and the optimizer); inference: forward under no_grad",
+            "optimizer": "training only: its state counts as optimizer_state",
+            "steps": "Estimate: steps run before the measured one (optimizer state, EMA shadows exist). Run "
+            "always measures a step that follows the compared and timed ones",
+            "repeats": "Run: untracked steps per variant timed for the 'step (s)' column (0: no timing)",
+            "variants": "together: one variant with every enabled optimization; each: one variant per optimization",
+        }
+        for key in INPUT_SIZES:
+            tips[key] = f"input {key.replace('_', ' ')}; empty: the preset's default at the size built"
+        for key, w in c.items():
+            w.style.description_width = _LABEL_WIDTH
+            w.layout = widgets.Layout(width="auto")  # one each: visibility is set per widget
+            set_tooltip(w, tips[key])
+            w.observe(lambda change, key=key: self._on_model(key, change["new"]), "value")
+        self.controls = c
+        self._refresh_model_controls()
+
+    def _on_model(self, key: str, value: Any) -> None:
+        s = self.state
+        if key in INPUT_SIZES:
+            text = str(value).strip()
+            s.sizes[key] = None if not text else int(text) if text.isdigit() else text  # the state says what's wrong
+        else:
+            setattr(s, key, value)
+        if key in ("preset", "size", "mode"):
+            self._refresh_model_controls()
+
+    def _refresh_model_controls(self) -> None:
+        s, c = self.state, self.controls
+        taken, run_sizes, full_sizes = s.input_keys(), s.default_sizes(), s.default_sizes(s.estimate_size)
+        for key in INPUT_SIZES:
+            c[key].layout.display = None if key in taken else "none"
+            if key in taken:
+                c[key].placeholder = f"{run_sizes[key]} (run), {full_sizes.get(key, '?')} (estimate)"
+        c["optimizer"].disabled = s.mode != "training"
+
+    def _build_actions(self) -> None:
+        self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.estimate_button = widgets.Button(description="Estimate full size", icon="calculator")
+        self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
+        set_tooltip(self.run_button, "compare the baseline and the variant(s) on real tensors, at the chosen size")
+        set_tooltip(self.estimate_button, "the same settings on the released full-size model, on fake tensors")
+        set_tooltip(self.stop_button, "end the run between two ops; the next run starts clean")
+        self.run_button.on_click(lambda _: self.run())
+        self.estimate_button.on_click(lambda _: self.estimate())
+        self.stop_button.on_click(lambda _: self.stop())
+        self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="260px"))
+        self.progress_text = widgets.Label(value="")
+        self.messages = widgets.HTML()
+        self.table = widgets.HTML()
+
+    def _layout(self) -> widgets.Widget:
+        c = self.controls
+        order = ["preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "optimizer", "steps", "repeats"]
+        grid = widgets.GridBox([c[k] for k in order], layout=widgets.Layout(grid_template_columns=_GRID))
+        self.panel_grid = widgets.GridBox(
+            [p.view for p in self.panels.values()], layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px")
+        )
+        actions = widgets.HBox(
+            [self.run_button, self.estimate_button, self.stop_button, self.progress, self.progress_text],
+            layout=widgets.Layout(flex_flow="row wrap", align_items="center"),
+        )
+
+        def heading(text: str) -> widgets.HTML:
+            return widgets.HTML(f"<b>{html.escape(text)}</b>")
+
+        return widgets.VBox(
+            [
+                heading("Model"),
+                grid,
+                heading("Optimizations"),
+                c["variants"],
+                self.panel_grid,
+                actions,
+                self.messages,
+                heading("Live memory of the tracked step"),
+                self.live.view,
+                heading("Comparison"),
+                self.table,
+                self.result_figure.view,
+            ],
+            layout=widgets.Layout(width="100%"),
+        )
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+        self.live.attach()
+        self.result_figure.attach()
+
+    # ---- running ----------------------------------------------------------------------------------------
+    def run(self, *, wait: bool = False) -> RunResult | None:
+        """Run (the Run button). ``wait=True`` runs in this thread and returns the result; else in the
+        background, returning None (the result lands in ``last_result``)."""
+        return self._start("run", wait)
+
+    def estimate(self, *, wait: bool = False) -> RunResult | None:
+        """Estimate at full size (the Estimate button); ``wait`` as in :meth:`run`."""
+        return self._start("estimate", wait)
+
+    def stop(self) -> None:
+        """Ask the running run to stop (the Stop button)."""
+        if self.state.running:
+            self.state.request_stop()
+            self.progress_text.value = "stopping…"
+
+    def wait(self, timeout: float | None = None) -> RunResult | None:
+        """Wait for a background run to end; its result."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.last_result
+
+    def _start(self, kind: str, wait: bool) -> RunResult | None:
+        if self.state.running or (self._thread is not None and self._thread.is_alive()):
+            self._say("a run is in progress: wait for it to finish or press Stop", "#c33")
+            return None
+        self._busy(True)
+        self.messages.value = ""
+        self.progress.value, self.progress.bar_style = 0.0, ""
+        if wait:
+            return self._work(kind)
+        self._thread = threading.Thread(target=self._work, args=(kind,), name=f"memkit-playground-{kind}", daemon=True)
+        self._thread.start()
+        return None
+
+    def _work(self, kind: str) -> RunResult | None:
+        result = None
+        try:
+            work = self.state.run if kind == "run" else self.state.estimate
+            result = work(on_update=self._on_live, on_progress=self._on_progress)
+            self.last_result = result
+            self._show(result)
+        except Exception as e:  # a bug in drawing the result: say it, keep the app alive
+            self._say(f"could not show the result: {type(e).__name__}: {e}", "#c33")
+        finally:
+            self._busy(False)
+        return result
+
+    def _busy(self, busy: bool) -> None:
+        self.run_button.disabled = self.estimate_button.disabled = busy
+        self.stop_button.disabled = not busy
+
+    def _on_progress(self, fraction: float, text: str) -> None:
+        self.progress.value = fraction
+        self.progress_text.value = text
+
+    def _on_live(self, timeline: Any) -> None:
+        label = timeline.meta.get("label") or "step"
+        unit = best_unit(timeline.peak_bytes)
+        title = f"live: {label} ({len(timeline):,} events)"
+        self.live.show(plots.timeline_figure(timeline, title=title, unit=unit, max_points=1500))
+
+    def _say(self, text: str, color: str) -> None:
+        box = f"border-left:4px solid {color};padding:4px 8px;margin:4px 0;color:{color}"
+        self.messages.value += f"<div style='{box}'>{html.escape(text)}</div>"
+
+    def _show(self, result: RunResult) -> None:
+        what = "Run" if result.kind == "run" else "Estimate"
+        if result.status == "ok":
+            self.progress.bar_style = "success"
+            self.progress_text.value = f"{what}: done in {result.seconds:.1f} s"
+        elif result.status == "stopped":
+            self.progress.bar_style = "warning"
+            self.progress_text.value = f"{what}: stopped"
+            self._say(result.message, "#b80")
+        else:
+            self.progress.bar_style = "danger"
+            self.progress_text.value = f"{what}: failed"
+            self._say(result.message, "#c33")
+        for w in result.warnings:
+            self._say(w, "#b80")
+        if result.ok:
+            self._show_comparison(result)
+
+    def _show_comparison(self, result: RunResult) -> None:
+        cmp = result.comparison
+        base = cmp.results[cmp.baseline].timeline
+        unit = best_unit(base.peak_bytes)
+        df = cmp.table(unit=unit).drop(columns=["optimizations"], errors="ignore")
+        if "pass" in df.columns:
+            df["pass"] = df["pass"].map({True: "✓ pass", False: "✗ fail"})
+        note = (
+            "Real tensors: every variant ran on the same weights and inputs; pass = outputs and gradients within "
+            f"a relative {cmp.tolerance:g} of the baseline."
+            if result.kind == "run"
+            else f"Estimate on fake tensors, {self.state.estimate_size} size: peaks only (nothing ran to compare)."
+        )
+        body = df.to_html(float_format=lambda v: f"{v:,.4g}", na_rep="–", border=0)
+        self.table.value = (
+            f"{_TABLE_CSS}<div class='memkit-table' style='overflow-x:auto;max-width:100%'>{body}</div>"
+            f"<div style='font-size:0.85em;color:#555'>{html.escape(note)}</div>"
+        )
+        fig = plots.comparison_figure(cmp, unit=unit)
+        if result.kind == "estimate":
+            fig.update_layout(title=f"Estimate, {self.state.preset} ({self.state.estimate_size}): baseline vs variants")
+        self.result_figure.show(fig)
+
+    def __repr__(self) -> str:
+        return f"Playground({self.state!r}, figures={self.figure_mode!r})"

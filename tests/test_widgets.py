@@ -1,0 +1,422 @@
+"""The Playground: its state object runs the library without a browser, its panels come from the registry.
+
+Runs use tiny presets (milliseconds per step); the test that runs the full-size estimate uses DiT (~5 s).
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+import types
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+import plotly.graph_objects as go
+import pytest
+import torch
+
+import memkit
+from memkit.optimizations import REGISTRY, Spec
+from memkit.widgets import figures as figures_module
+from memkit.widgets.fields import panel_fields
+from memkit.widgets.panels import CUSTOM
+from memkit.widgets.state import PlaygroundState
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+# ---- a fake optimization, registered only inside the tests that use it ------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Scale:
+    """Scales the first parameter: an optimization that changes the outputs (so a comparison must fail it)."""
+
+    factor: float = 1.0
+    """Multiplies the model's first parameter while applied."""
+    which: Literal["first", "last"] = "first"
+    """Which parameter to scale."""
+    loud: bool = False
+    """Raise instead of applying (a model this optimization does not support)."""
+    oom: bool = False
+    """Raise MemoryError while applying (as an allocation that does not fit)."""
+
+    @classmethod
+    def parse(cls, value: str) -> Scale:
+        return cls(factor=float(value))
+
+    def __str__(self) -> str:
+        return f"scale:{self.factor:g}"
+
+    def apply(self, model: torch.nn.Module) -> memkit.Handle:
+        if self.loud:
+            raise RuntimeError(f"{type(model).__name__} is not supported by scale")
+        if self.oom:
+            raise MemoryError("cannot allocate 1 TiB")
+        params = list(model.parameters())
+        p = params[0] if self.which == "first" else params[-1]
+        saved = p.detach().clone()
+        with torch.no_grad():
+            p.mul_(self.factor)
+
+        def undo():
+            with torch.no_grad():
+                p.copy_(saved)
+
+        return memkit.Handle(undo, name=str(self))
+
+
+SCALE = Spec(name="scale", config=Scale, summary="test only", metavar="FACTOR", choices=("1", "2"))
+
+
+@pytest.fixture
+def with_scale(monkeypatch):
+    """The fake entry in the real registry for one test (the app is built from REGISTRY, untouched)."""
+    from memkit import optimizations
+
+    monkeypatch.setitem(optimizations._REGISTRY, "scale", SCALE)
+    return SCALE
+
+
+def _state(**kwargs) -> PlaygroundState:
+    kwargs.setdefault("preset", "dit")
+    kwargs.setdefault("repeats", 0)
+    return PlaygroundState(**kwargs)
+
+
+# ---- the state object -----------------------------------------------------------------------------------------
+def test_run_compares_the_baseline_with_the_configured_variant():
+    state = _state(optimizer="sgd")
+    settings = state.optimizations["checkpointing"]
+    settings.enabled = True
+    settings.set("pattern", "every:2")
+    progress = []
+    result = state.run(on_progress=lambda f, text: progress.append((f, text)))
+    assert result.ok, result.message
+    cmp = result.comparison
+    assert list(cmp.results) == ["baseline", "checkpointing:every:2"]
+    assert cmp.results["checkpointing:every:2"].optimizations == [memkit.Checkpointing(pattern="every:2")]
+    table = cmp.table()
+    assert table["pass"].tolist() == [True, True]
+    assert cmp.mode == "training" and cmp.results["baseline"].step.optimizer == "sgd"
+    assert table.loc["baseline", "optimizer_state (MiB)"] > 0  # the optimizer the state named ran
+    fractions = [f for f, _ in progress]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and 0 < len(progress) < 20
+    assert any("checkpointing:every:2: tracked step" in text for _, text in progress)
+
+
+def test_each_optimization_can_be_its_own_variant_and_inference_drops_the_optimizer():
+    state = _state(mode="inference", optimizer="adamw", variants="each")
+    for name in ("checkpointing", "ff-split"):
+        state.optimizations[name].enabled = True
+    assert state.step() == memkit.Step(mode="inference")
+    result = state.run()
+    assert result.ok, result.message
+    assert list(result.comparison.results) == ["baseline", "checkpointing:all", "ff-split:4"]
+    assert result.comparison.mode == "inference" and "max |Δgrad|" not in result.comparison.table()
+
+
+def test_a_variant_that_changes_the_outputs_fails(with_scale):
+    state = _state()
+    state.optimizations["scale"].enabled = True
+    state.optimizations["scale"].use("2")
+    result = state.run()
+    assert result.ok, result.message
+    assert result.comparison.table()["pass"].tolist() == [True, False]
+    state.optimizations["scale"].set("factor", 1.0)
+    assert state.run().comparison.table()["pass"].tolist() == [True, True]
+
+
+def test_live_updates_arrive_during_the_tracked_step_in_batches():
+    interval = 0.01
+    state = _state(interval=interval, batch_size=4)  # a step of ~0.1 s: several intervals
+    state.optimizations["ff-split"].enabled = True
+    seen = []
+
+    def on_update(tl):
+        seen.append((time.perf_counter(), tl.meta["label"], len(tl), memkit.memory.tracking(), tl))
+
+    result = state.run(on_update=on_update)
+    assert result.ok, result.message
+    assert result.updates == len(seen) > 0
+    names = list(result.comparison.results)
+    assert list(dict.fromkeys(label for _, label, *_ in seen)) == names  # each variant, in order
+    for name in names:
+        mine = [s for s in seen if s[1] == name]
+        final = result.comparison.results[name].timeline
+        assert mine[-1][2] == len(final) > 0  # the last update is the step's final state
+        live = [s for s in mine if s[3]]
+        gaps = [b[0] - a[0] for a, b in zip(live, live[1:], strict=False)]
+        assert all(g >= interval / 2 for g in gaps), gaps  # throttled (one call per op: microseconds apart)
+        assert len(mine) < len(final) / 5  # batches of events
+        sizes = [n for _, _, n, *_ in mine]
+        assert sizes == sorted(sizes)
+    assert any(tracking for *_, tracking, _ in seen)  # some arrived while a step ran, not only after
+
+
+def test_stop_ends_the_run_cleanly_and_the_next_run_works():
+    state = _state()
+    state.optimizations["checkpointing"].enabled = True
+    ops = {"n": 0}
+
+    def stop_in_the_tracked_step():  # mid-step: a tracker, hooks and a dispatch mode are live
+        ops["n"] += memkit.memory.tracking()
+        return ops["n"] > 100
+
+    rng = torch.get_rng_state
+    result = state.run(should_stop=stop_in_the_tracked_step)
+    assert result.status == "stopped" and "stop" in result.message and result.comparison is None
+    assert not memkit.memory.tracking() and torch.get_rng_state is rng
+    assert not state.running
+
+    def stop_when_the_variant_starts(fraction, text):
+        if text.startswith("checkpointing"):
+            state.request_stop()
+
+    result = state.run(on_progress=stop_when_the_variant_starts)
+    assert result.status == "stopped"
+
+    result = state.run()
+    assert result.ok, result.message
+    assert result.comparison.table()["pass"].all()
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda s: setattr(s, "preset", "nope"), ["preset", "nope"]),
+        (lambda s: setattr(s, "size", "full"), ["Estimate"]),
+        (lambda s: s.sizes.update(height=33, width=33), ["height"]),
+        (lambda s: s.sizes.update(height="big"), ["height", "big"]),
+        (lambda s: setattr(s, "batch_size", 0), ["batch_size"]),
+        (lambda s: _enable(s, "ema", update_every=0), ["ema", "update_every"]),
+        (lambda s: _enable(s, "checkpointing", pattern="every:2", budget_bytes="1GiB"), ["checkpointing", "budget"]),
+        (lambda s: _enable(s, "checkpointing", budget_bytes="lots"), ["checkpointing", "budget_bytes", "lots"]),
+    ],
+)
+def test_bad_settings_come_back_as_a_message(change, words):
+    state = _state()
+    change(state)
+    full = words == ["Estimate"]  # estimating at full size is the point of Estimate
+    for go_ in (state.run,) if full else (state.run, state.estimate):
+        result = go_()
+        assert result.status == "error" and result.comparison is None
+        assert all(w in result.message for w in words), result.message
+    assert not state.running
+
+
+def _enable(state, name, **values):
+    state.optimizations[name].enabled = True
+    for k, v in values.items():
+        state.optimizations[name].set(k, v)
+
+
+def test_failures_inside_the_library_come_back_as_messages_and_the_next_run_works(with_scale):
+    state = _state()
+    scale = state.optimizations["scale"]
+    scale.enabled = True
+    scale.set("loud", True)
+    result = state.run()
+    assert result.status == "error" and "not supported by scale" in result.message
+    scale.set("loud", False)
+    scale.set("oom", True)
+    result = state.run()
+    assert result.status == "error" and result.message.startswith("out of memory") and "smaller" in result.message
+    assert not memkit.memory.tracking()
+    scale.set("oom", False)
+    assert state.run().ok
+
+
+def test_a_second_run_while_one_runs_is_refused():
+    state = _state()
+    inner = []
+
+    def on_progress(fraction, text):
+        if not inner:
+            inner.append(state.run())
+
+    assert state.run(on_progress=on_progress).ok
+    assert inner[0].status == "error" and "in progress" in inner[0].message
+
+
+def test_a_broken_live_view_is_switched_off_not_the_run():
+    state = _state(interval=0.01)
+    calls = []
+
+    def broken(tl):
+        calls.append(1)
+        raise KeyError("draw")
+
+    result = state.run(on_update=broken)
+    assert result.ok and len(calls) == 1
+    assert any("live view" in w for w in result.warnings)
+
+
+def test_estimate_runs_the_same_settings_on_fake_tensors():
+    state = _state(estimate_size="tiny", optimizer="adamw")
+    _enable(state, "ema")
+    last = {}
+    result = state.estimate(on_update=lambda tl: last.__setitem__(tl.meta["label"], len(tl)))
+    assert result.ok, result.message
+    cmp = result.comparison
+    assert list(cmp.results) == ["baseline", "ema:device"]
+    assert last == {name: len(r.timeline) for name, r in cmp.results.items()}  # each step's final state, shown
+    assert cmp.results["ema:device"].optimizations == [memkit.EMA()]
+    base, ema = (cmp.results[n].timeline for n in cmp.results)
+    assert base.meta["estimate"] and base.meta["optimizer"] == "adamw" and base.meta["size"] == "tiny"
+    params = base.peak_by_category()["parameter"]
+    assert ema.peak_by_category()["ema"] == params > 0  # one more copy of the parameters
+    assert "pass" not in cmp.table()  # nothing ran to compare
+
+
+def test_estimate_defaults_to_the_full_size_model():
+    state = _state(mode="inference")
+    result = state.estimate()
+    assert result.ok, result.message
+    tl = result.comparison.results["baseline"].timeline
+    assert tl.meta["size"] == "full" and tl.meta["parameters"] > 100 * memkit.load_model("dit").num_parameters()
+
+
+# ---- panels from the registry -----------------------------------------------------------------------------------
+def _other_value(field, current):
+    """A widget value different from ``current`` that the field accepts."""
+    if field.kind == "bool":
+        return not current
+    if field.kind == "choice":
+        return next(c for c in field.choices if c != current)
+    if field.kind == "int":
+        return "3" if field.optional else current + 1
+    if field.kind == "float":
+        return current / 2
+    return next(str(c) for c in field.choices if str(c) != current)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_registry_entry_gets_a_panel_that_builds_its_config(name):
+    pg = memkit.Playground(figures="widget")
+    spec = REGISTRY[name]
+    panel = pg.panels[name]
+    fields = panel_fields(spec)
+    assert list(panel.widgets) == [f.name for f in fields] == list(spec.panel or panel.widgets)
+    hints = typing.get_type_hints(spec.config)
+    for f in fields:
+        w = panel.widgets[f.name]
+        assert w.description == f.name and w.tooltip == f.doc and len(f.doc) > 10
+        hint = hints[f.name]
+        members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        for literal in (m for m in members if typing.get_origin(m) is Literal):  # the menu offers the type's values
+            assert set(typing.get_args(literal)) <= {v for _, v in w.options}
+    for value in spec.choices:  # the value menu fills the fields with what the registry value means
+        panel.choice.value = value
+        assert pg.state.optimizations[name].config() == spec.parse(value)
+    panel.choice.value = spec.choices[0]
+    panel.enabled.value = True
+    assert pg.state.optimizations[name].enabled
+    for f in fields:  # every widget reaches the config, one at a time
+        w = panel.widgets[f.name]
+        old, new = w.value, _other_value(f, w.value)
+        w.value = new
+        config = pg.state.optimizations[name].config()
+        assert getattr(config, f.name) == f.parse(new) != f.parse(old)
+        assert panel.choice.value == (pg.state.optimizations[name].choice or CUSTOM)
+        assert html.escape(str(config)) in panel.status.value
+        w.value = old
+        assert pg.state.optimizations[name].config() == spec.parse(spec.choices[0])
+        assert panel.choice.value == spec.choices[0]
+
+
+def test_a_new_registry_entry_gets_its_panel_with_no_app_change(with_scale):
+    pg = memkit.Playground(preset="dit", repeats=0, figures="widget")
+    panel = pg.panels["scale"]
+    assert list(panel.widgets) == ["factor", "which", "loud", "oom"]
+    assert [type(w).__name__ for w in panel.widgets.values()] == ["FloatText", "Dropdown", "Checkbox", "Checkbox"]
+    assert [v for _, v in panel.widgets["which"].options] == ["first", "last"]
+    assert panel.widgets["factor"].tooltip == "Multiplies the model's first parameter while applied."
+    assert panel.view in pg.panel_grid.children and pg.panel_grid in pg.widget.children  # laid out with the others
+    panel.enabled.value = True
+    panel.widgets["factor"].value = 3.0
+    panel.widgets["which"].value = "last"
+    assert pg.state.optimizations["scale"].config() == Scale(factor=3.0, which="last")
+    result = pg.run(wait=True)
+    assert result.ok, result.message
+    assert "scale:3" in pg.table.value and "✗ fail" in pg.table.value and "✓ pass" in pg.table.value
+
+
+# ---- the app ----------------------------------------------------------------------------------------------------
+def test_the_app_runs_what_its_widgets_say_and_shows_the_comparison():
+    pg = memkit.Playground(preset="flux", repeats=0, interval=0.01, figures="widget")
+    assert pg.controls["text_len"].layout.display is None
+    pg.controls["preset"].value = "dit"
+    assert pg.controls["text_len"].layout.display == "none" and pg.controls["height"].layout.display is None
+    pg.controls["mode"].value = "inference"
+    assert pg.controls["optimizer"].disabled
+    pg.controls["mode"].value = "training"
+    pg.controls["optimizer"].value = "sgd"
+    pg.controls["batch_size"].value = 2
+    pg.panels["ff-split"].enabled.value = True
+    pg.panels["ff-split"].widgets["splits"].value = 2
+    pg.run()  # in the background, as the button does
+    result = pg.wait(timeout=60)
+    assert result is not None and result.ok, result and result.message
+    assert not pg.run_button.disabled and pg.stop_button.disabled
+    assert pg.progress.value == 1.0
+    table = pg.table.value
+    assert "ff-split:2" in table and table.count("✓ pass") == 2 and "max |Δgrad|" in table
+    base = result.comparison.results["baseline"].timeline
+    assert base.meta["label"] == "baseline"
+    assert pg.live.shown >= 2 and {"total", "parameter"} <= {t.name for t in pg.live.figure.data}
+    assert pg.result_figure.shown == 1 and len(pg.result_figure.figure.data) > 2
+    # the inputs had the batch the widget set
+    assert result.comparison.results["baseline"].timeline.baseline_by_category["input"] > 0
+    pg.controls["height"].value = "33"
+    result = pg.run(wait=True)
+    assert result.status == "error" and "height" in pg.messages.value
+    pg.controls["height"].value = ""
+    assert pg.run(wait=True).ok and pg.messages.value == ""
+
+
+def test_the_stop_button_ends_a_background_run():
+    pg = memkit.Playground(preset="dit", repeats=50, figures="widget")
+    started = threading.Event()
+    show = pg._on_progress
+    pg._on_progress = lambda f, t: (started.set(), show(f, t))
+    pg.run_button.click()
+    assert started.wait(30)
+    assert pg.run_button.disabled and not pg.stop_button.disabled
+    pg.stop_button.click()
+    result = pg.wait(timeout=60)
+    assert result.status == "stopped"
+    assert "stopped" in pg.progress_text.value and not pg.run_button.disabled
+
+
+def test_figures_fall_back_to_a_display_handle_where_figurewidget_cannot_render(monkeypatch):
+    monkeypatch.delenv(figures_module.ENV, raising=False)
+    colab = {"plotly_version": "5.24.1", "ipywidgets_version": "7.7.1", "colab": True, "anywidget": False}
+    assert figures_module.figure_mode(**colab) == "display"
+    assert figures_module.figure_mode(**{**colab, "colab": False}) == "display"  # plotly 5: no anywidget widget
+    lab = {"plotly_version": "7.1.0", "ipywidgets_version": "8.1.9", "colab": False, "anywidget": True}
+    assert figures_module.figure_mode(**lab) == "widget"
+    assert figures_module.figure_mode(**{**lab, "colab": True}) == "display"
+    monkeypatch.setenv(figures_module.ENV, "display")
+    assert figures_module.figure_mode(**lab) == "display"
+
+    shown = []
+
+    class Handle:
+        def update(self, fig):
+            shown.append(fig)
+
+    def display(obj, display_id=False):
+        shown.append(obj)
+        return Handle() if display_id else None
+
+    import IPython.display
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    pg = memkit.Playground(preset="dit", repeats=0, interval=0.01)
+    assert pg.figure_mode == "display"
+    pg._ipython_display_()
+    assert shown[0] is pg.widget and len(shown) == 3  # the app, then a figure per handle
+    assert pg.run(wait=True).ok
+    assert len(shown) > 4 and all(isinstance(f, go.Figure) for f in shown[1:])
+    assert shown[-1].layout.title.text.startswith("Memory")  # the comparison replaced the placeholder
