@@ -285,7 +285,7 @@ class Playground:
         cmp = result.comparison
         base = cmp.results[cmp.baseline].timeline
         unit = best_unit(base.peak_bytes)
-        df = cmp.table(unit=unit).drop(columns=["optimizations"], errors="ignore")
+        df = cmp.table(unit=unit).drop(columns=["optimizations"], errors="ignore").rename_axis(None)
         if "pass" in df.columns:
             df["pass"] = df["pass"].map({True: "✓ pass", False: "✗ fail"})
         note = (

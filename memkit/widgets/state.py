@@ -312,7 +312,7 @@ class PlaygroundState:
         step, variants, dtype, sizes = self.step(), self.build_variants(), self._torch_dtype(), self.input_sizes()
         runs = {"baseline": (), **{name: v.optimizations for name, v in variants.items()}}
         progress.total = len(runs) * (step.steps + 1)
-        preset, size, seed = self.preset, self.estimate_size, self.seed
+        preset, size, seed, batch = self.preset, self.estimate_size, self.seed, self.batch_size
         timelines = {}
         for name, optimizations in runs.items():
             live.name = name
@@ -327,7 +327,7 @@ class PlaygroundState:
 
             model_fn.__name__ = preset  # the estimate's meta["model"]
             tl = estimate(
-                model_fn, step=step, optimizations=optimizations, dtype=dtype, batch_size=self.batch_size,
+                model_fn, step=step, optimizations=optimizations, dtype=dtype, batch_size=batch,
                 seed=seed, progress=False, **sizes,
             )  # fmt: skip
             tl.meta.update(label=name, size=size)
