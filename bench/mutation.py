@@ -297,6 +297,15 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     },
     ("_snapshot_of", 'before_addr[i] = _add_block(blocks[d], spaces[d], c["bytes"][i], None)'): "that block (of a "
     "pre-window storage freed in the window) is popped at its free: its state and frames are never written",
+    ("_snapshot_of", "s = None"): "the stack of the block of a pre-window storage freed in the window: that block is "
+    "popped at its free, so its state and frames are never written",
+    ("_snapshot_of", 'end_us = zero_us + round((c["time"][-1] if c["time"] else 1.0) * 1e6)'): "only a timeline "
+    "without events takes the else, and its traces are empty: no snapshot entry carries end_us",
+    **{
+        ("_device_indices", f"return {{n: int(x[1]) for n, x in zip(names, m, {arg})}}"): "m is built from names, "
+        "one match per name: the same length"
+        for arg in ("strict=None", "", "strict=False")
+    },
     # ---- snapshot.py
     **{
         ("_device_events", line): "count only preallocates: np.fromiter reads the same items without it"
@@ -349,6 +358,120 @@ EQUIVALENT: dict[tuple[str, str], str] = {
             f'"device": np.full(n, device, {arg}),',
         ): "np.full of a Python int is int64 without the dtype"
         for arg in ("dtype=None", "")
+    },
+    # ---- comparison.py
+    **{
+        (function, line): "float('NAN') is NaN as float('nan') is (float() reads the case-insensitive 'nan')"
+        for function, line in (
+            (
+                "Comparison.from_timelines",
+                'return cls(results=results, mode=mode, tolerance=float("NAN"), baseline=baseline)',
+            ),
+            (
+                "Comparison.table",
+                'row["time vs baseline"] = r.seconds / base.seconds if base.seconds > 0 else float("NAN")',
+            ),
+            ("Comparison.table", 'row[check] = r.checks.get(check, float("NAN"))'),
+            ("_time_steps", 'return float("NAN")'),
+        )
+    },
+    **{
+        ("Comparison.table", line): "a check column always holds a number from some variant, so pandas stores "
+        "the missing None as NaN in that float column"
+        for line in ("row[check] = r.checks.get(check, None)", "row[check] = r.checks.get(check, )")
+    },
+    (
+        "_scale_of",
+        "return max(1.0, float(t.float().abs().max())) if t.numel() else 2.0",
+    ): "only an empty tensor gets it, whose difference is 0.0: 0 <= tolerance x any positive scale (tolerance > 0)",
+    ("_differences", "if got.params is not None or ref.params is not None:"): "compare() checks up front that every "
+    "variant's step has the comparison's mode, so both or neither have parameters (training <=> params)",
+    # ---- tracker.py
+    ("Tracker.__init__", "self._t0 = None"): "start() sets the clock before the mode records anything",
+    **{
+        (function, line): "_closed is set just before stop() clears _live and _host, which drops every weakref and "
+        "so cancels its callback: no callback ever finds the tracker closed or its key missing"
+        for function, line in (
+            ("Tracker.__init__", "self._closed = None"),
+            ("Tracker.stop", "self._closed = None"),
+            ("Tracker.stop", "self._closed = False"),
+            ("Tracker._on_free", "entry = self._live.pop(key, )"),
+            ("Tracker._on_free", "if entry is None and self._closed:"),
+            ("Tracker._on_host_free", "entry = self._host.pop(key, )"),
+        )
+    },
+    **{
+        ("Tracker._op_info", line): "a cache miss every time: the same op info, recomputed (ops are interned by name)"
+        for line in (
+            "info = None",
+            "info = self._ops.get(None)",
+            "info = self._ops.get(id(None))",
+            "self._ops[id(func)] = None",
+            "self._ops[id(None)] = info",
+        )
+    },
+    ("Tracker._record_outputs", "for t in out if isinstance(out, (tuple, list)) else tree_flatten(None)[0]:"): (
+        "an aten op returns a Tensor, a tuple or a list (all handled before), or no tensor at all"
+    ),
+    (
+        "Tracker._resolve_saved",
+        "saved = getattr(node, attr, None) if (node is not None) or True else None",
+    ): "getattr(None, attr, None) is None, the else value",
+    **{
+        (function, line): "bookkeeping of the numbers a node saved, looked up only for the node running its "
+        "backward: autograd releases a node's saved numbers together, after its backward ran (or with the graph), "
+        "and a node never runs again, so a stale or partly cleared entry is never read"
+        for function, line in (
+            ("Tracker._resolve_saved", "self._saved_node[skey] = None"),
+            ("Tracker._on_free", "seq = None"),
+            ("Tracker._on_free", "seq = self._saved_node.pop(None, None)"),
+            ("Tracker._on_free", "seq = self._saved_node.pop(key, )"),
+            ("Tracker._on_free", "held = None"),
+            ("Tracker._on_free", "held = self._saved_by_node.get(None)"),
+            ("Tracker._on_free", "if held is None:"),
+            ("Tracker._on_free", "held[:] = [h for h in held if h[1] != key]"),
+            ("Tracker._on_free", "held[:] = [h for h in held if h[0] == key]"),
+            ("Tracker._on_free", "if held:"),
+        )
+    },
+    ("Tracker.stop", "_watch_outside_dispatch(None)"): "None is falsy like False: the same branch",
+    ("Tracker._device_code", "code = None"): "a cache miss every time: the same device code (names are interned)",
+    (
+        "Tracker.register",
+        "self._live[key] = _Live(-1, n, code, None, weakref.ref(s, partial(self._on_free, key, device)))",
+    ): "a pre-window entry's phase is read only by _backward_started, which skips pre-window entries (event < 0)",
+    (
+        "Tracker.register",
+        "self._live[key] = _Live(-2, n, code, _OTHER, weakref.ref(s, partial(self._on_free, key, device)))",
+    ): "every reader tests event >= 0: -2 marks a pre-window storage as -1 does",
+    **{
+        (function, line): "recurse=None is falsy: torch takes the module alone, as with recurse=False"
+        for function, line in (
+            ("Tracker.register_module", "params = list(m.parameters(recurse=None))"),
+            ("Tracker.register_module", 'self.register(m.buffers(recurse=None), "buffer")'),
+            ("Tracker._forward_pre", "self.register_module(module, recurse=None)"),
+        )
+    },
+    ("Tracker._forward_pre", "if id(None) not in self._seen_modules:"): "register_module skips a module already "
+    "seen itself: the same registration",
+    **{
+        (function, line): "no workspace function reads out: the formulas, wrapped numbers and learned sizes all "
+        "come from the arguments"
+        for function, line in (
+            ("Tracker._flag_lower_bound", "return fn(args, kwargs, None) if fn is not None else 0"),
+            (
+                "Tracker._record_outputs",
+                "extra = workspace_fn(args, kwargs, None) if workspace_fn is not None and not _OFF_DEVICE.get() else 0",
+            ),
+        )
+    },
+    **{
+        ("Tracker._flag_lower_bound", line): "fn is never None here: lower_bound_fn is set only for learnable ops "
+        "measured for the CPU, for which workspace_fn always returns a function"
+        for line in (
+            "return fn(args, kwargs, out) if (fn is not None) or True else 0",
+            "return fn(args, kwargs, out) if fn is not None else 1",
+        )
     },
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated

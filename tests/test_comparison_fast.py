@@ -718,3 +718,40 @@ def test_table_differences_are_those_plain_torch_finds():
     assert table["max |Δoutput|"].tolist() == [0.0, d_out, 0.0]
     assert table["max |Δgrad|"].tolist() == [0.0, d_grad, 2 * DELTA]
     assert table["pass"].tolist() == [True, True, True]
+
+
+class SeesGrads(Toy):
+    """A Toy that records, at each forward, whether ``a`` already holds a gradient (and which tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(self.a.grad)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd"])
+def test_every_timed_step_starts_without_gradients_like_the_tracked_one(optimizer):
+    # Without an optimizer gradients accumulate across steps (train_step's contract): the timed steps must each
+    # start from none, freed (not zeroed in place), so each times a step that allocates its gradients.
+    models = []
+
+    def model_fn():
+        models.append(SeesGrads())
+        return models[-1]
+
+    run({"v": []}, model_fn, repeats=3, step=memkit.Step(optimizer=optimizer))
+    for m in models:
+        # the compared step, 3 timed ones, the tracked one
+        assert m.seen == [None] * 5
+        assert m.a.grad is None if optimizer else m.a.grad is not None  # an update frees them after the step
+
+
+def test_the_progress_bar_is_labelled_compare(capsys):
+    run({"v": []}, progress=True)
+    err = capsys.readouterr().err
+    # tqdm writes "<desc>: <percent>|..." at the start of each redraw ("\r" before each)
+    drawn = [s for s in err.split("\r") if s.strip()]
+    assert drawn and all(s.startswith("compare: ") for s in drawn), drawn
