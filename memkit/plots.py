@@ -52,7 +52,9 @@ PHASE_COLORS: dict[str, str] = {
 """Light background colour of each phase in :func:`timeline_figure`."""
 
 _VARIANT_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
-_LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": {"groupclick": "toggleitem"}, "margin": {"r": 20}}
+# The legend below the plot, across: beside it, it took width from the plot and scrolled inside it when tall
+_LEGEND: dict[str, Any] = {"groupclick": "toggleitem", "orientation": "h", "yanchor": "top", "y": -0.12, "x": 0}
+_LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": _LEGEND, "margin": {"r": 20}}
 _MAX_OOMS = 20  # out-of-memory lines drawn at most
 _MAX_PHASE_SPANS = 200  # beyond this, shading is binned: more rectangles than pixels only bloat the figure
 _STATE_COLORS = {  # the caching allocator's block states (segments_figure)
@@ -372,6 +374,7 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
             hover = f"%{{y:,.3f}} {unit}<extra>{cat}</extra>"
             color, rank = CATEGORY_COLORS[cat], 100 - CATEGORIES.index(cat)  # legend top-down as they stack
             bar = go.Bar(x=names, y=values, name=cat, marker_color=color, hovertemplate=hover, legendrank=rank)
+            bar.update(legendgroup="category", legendgrouptitle_text="peak by category:")
             fig.add_trace(bar, 1, 1)
     for (name, _, passed), peak in zip(rows, peaks, strict=True):
         total = sum(peak.values())
@@ -383,8 +386,9 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
         end = x[-1] - x[0]
         xn = ((x - x[0]) / end if end > 0 else np.linspace(0.0, 1.0, len(x))).astype(np.float32)
         color = "#333" if name == baseline else _VARIANT_COLORS[(i - 1) % len(_VARIANT_COLORS)]
-        line = {"color": color, "width": 2 if name == baseline else 1.5}
-        fig.add_trace(_step(xn, sum(by_cat.values()) / div, name, unit, line=line, legendrank=200 + i), 1, 2)
+        line = {"color": color, "width": 2 if name == baseline else 1.5, "dash": "solid" if name == baseline else "dot"}
+        group = {"legendgroup": "variant", "legendgrouptitle_text": "live memory:"}  # lines, not category bands
+        fig.add_trace(_step(xn, sum(by_cat.values()) / div, name, unit, line=line, legendrank=200 + i, **group), 1, 2)
     mode = getattr(comparison, "mode", None)
     title = f"Memory: {baseline!r} vs variants" + (f" ({mode})" if mode else "")
     fig.update_layout(title=title, barmode="stack", hovermode="closest", legend_traceorder="normal", **_LAYOUT)
