@@ -176,9 +176,29 @@ def test_stop_ends_the_run_cleanly_and_the_next_run_works():
     result = state.run(on_progress=stop_when_the_variant_starts)
     assert result.status == "stopped"
 
+    state.estimate_size = "tiny"
+    ops["n"] = 0
+    result = state.estimate(should_stop=stop_in_the_tracked_step)  # under FakeTensorMode too
+    assert result.status == "stopped" and not memkit.memory.tracking()
+
     result = state.run()
     assert result.ok, result.message
     assert result.comparison.table()["pass"].all()
+    assert state.estimate().ok
+
+
+def test_stops_only_before_aten_ops():
+    # prim.device is also queried from C++ that cannot unwind: an exception there aborts the process (FakeTensorMode)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memkit.widgets._watch import Stopped, _Watch
+
+    watch = _Watch(lambda: True, None, 0.5)
+    with FakeTensorMode():
+        x = torch.ones(2)
+    assert watch.__torch_dispatch__(torch.ops.prim.device.default, (), (x,)) == x.device
+    with pytest.raises(Stopped):
+        watch.__torch_dispatch__(torch.ops.aten.add.Tensor, (), (x, x))
 
 
 @pytest.mark.parametrize(

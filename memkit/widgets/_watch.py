@@ -1,7 +1,7 @@
 """Watch a running step from the inside: stop it between two ops, and hand out its live timeline in batches.
 
 A ``TorchDispatchMode`` entered around ``compare``/``estimate`` sees every op of every step they run, forward
-and backward alike. Before each op it asks ``should_stop()`` and, when told to, raises :class:`Stopped`, which
+and backward alike. Before each aten op it asks ``should_stop()`` and, when told to, raises :class:`Stopped`, which
 unwinds through the library's own ``with`` blocks (handles removed, tracker stopped), so the next run starts
 clean. After an op it hands the timeline of the tracked step that is running (if any) to ``on_update``, at
 most once per ``interval`` seconds (longer when drawing takes longer), plus once more when that tracked step
@@ -51,7 +51,9 @@ class _Watch(TorchDispatchMode):
         self.updates = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.should_stop is not None and self.should_stop():
+        # Only before real ops: metadata queries (prim.device) are also called from C++ that cannot unwind, where
+        # an exception aborts the process (seen under FakeTensorMode).
+        if func.namespace == "aten" and self.should_stop is not None and self.should_stop():
             raise Stopped("stopped on request")
         out = func(*args, **(kwargs or {}))
         if self.on_update is not None:

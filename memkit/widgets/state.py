@@ -237,6 +237,7 @@ class PlaygroundState:
                 warnings.simplefilter("always")
                 try:
                     work = self._compare if kind == "run" else self._estimate
+                    self._import_model_class()
                     with watching(should_stop=stop, on_update=live, interval=self.interval) as watch:
                         result.comparison = work(progress, stop, live)
                     result.status = "ok"
@@ -257,6 +258,16 @@ class PlaygroundState:
             self._stop.clear()
             self._busy.release()
         return result
+
+    def _import_model_class(self) -> None:
+        # diffusers imports a model's module on first use, running a few ops; a stop raised inside that import
+        # would leave the module broken for the rest of the session, so it is imported before anything can stop.
+        import diffusers
+
+        from ..presets import PRESETS
+
+        if self.preset in PRESETS:
+            getattr(diffusers, PRESETS[self.preset].model_class)
 
     def _compare(self, progress: _Progress, stop: Callable[[], bool], live: _Live) -> Any:
         from ..comparison import compare
