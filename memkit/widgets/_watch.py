@@ -51,12 +51,13 @@ class _Watch(TorchDispatchMode):
         self.updates = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Only before real ops: metadata queries (prim.device) are also called from C++ that cannot unwind, where
+        # Only around real ops: metadata queries (prim.device) are also called from C++ that cannot unwind, where
         # an exception aborts the process (seen under FakeTensorMode).
-        if func.namespace == "aten" and self.should_stop is not None and self.should_stop():
+        aten = func.namespace == "aten"
+        if aten and self.should_stop is not None and self.should_stop():
             raise Stopped("stopped on request")
         out = func(*args, **(kwargs or {}))
-        if self.on_update is not None:
+        if aten and self.on_update is not None:
             self.follow()
         return out
 
