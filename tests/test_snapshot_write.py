@@ -210,3 +210,37 @@ def test_refusals_name_what_is_wrong():
     tl = timeline([(0.0, FREE, 10, "parameter", 0, 5)], devices=["cpu"], baseline_by_category={"parameter": 4})
     with pytest.raises(ValueError, match=r"\{\(0, 'parameter'\): 6\}"):  # 6 bytes more than the baseline holds
         write_snapshot(tl)
+
+
+def test_each_devices_trace_ends_with_torchs_snapshot_entry_at_the_last_events_time():
+    rows = [(0.0, ALLOC, 64, "activation", 0, 1), (1.25, ALLOC, 64, "activation", 1, 2)]
+    rows += [(2.5, FREE, 64, "activation", 0, 1)]
+    data = write_snapshot(timeline(rows, devices=["cuda:0", "cuda:1"]))
+    zero = data["memkit"]["time_zero_us"]
+    for trace in data["device_traces"]:
+        *events, last = trace
+        assert all(e["action"] != "snapshot" for e in events)
+        # what the allocator records when a snapshot is taken: no address, no size, no stack
+        assert last == {
+            "action": "snapshot",
+            "addr": 0,
+            "size": 0,
+            "stream": 0,
+            "time_us": zero + 2_500_000,  # the timeline's last event, on every device
+            "frames": [],
+            "category": "unknown",  # MemoryViz.js needs this category to exist
+        }
+    # a device without any event has an empty trace, no snapshot entry
+    data = write_snapshot(timeline([(0.5, ALLOC, 64, "activation", 1, 1)], devices=["cuda:0", "cuda:1"]))
+    assert data["device_traces"][0] == [] and data["device_traces"][1][-1]["action"] == "snapshot"
+
+
+def test_allocator_settings_and_external_annotations_come_from_meta_or_are_empty():
+    rows = [(0.0, ALLOC, 64, "activation", 0, 1)]
+    data = write_snapshot(timeline(rows, devices=["cuda:0"]))
+    assert data["allocator_settings"] == {} and data["external_annotations"] == []
+    settings = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    notes = [{"device": 0, "stage": "START", "name": "fwd", "time_us": 5}]
+    tl = timeline(rows, devices=["cuda:0"], meta={"allocator_settings": settings, "external_annotations": notes})
+    data = write_snapshot(tl)
+    assert data["allocator_settings"] == settings and data["external_annotations"] == notes

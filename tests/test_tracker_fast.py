@@ -8,6 +8,7 @@ tensors' own sizes or from the profiler, never from a previous run's output.
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from test_tracker import assert_equals_profiler, tracked_and_profiled
@@ -888,3 +889,169 @@ def test_storages_made_off_device_are_host_memory_not_timeline():
     with track() as quiet:
         torch.empty(4)
     assert quiet.meta["host_peak_bytes"] == 0
+
+
+# ---- what each row says when there is nothing to say (mutation testing: -1 codes, times, devices) ---------------
+
+
+def _step_with_every_kind_of_row():
+    """A window with a saved divisor (freed by backward), a divisor not saved (freed at once), a kernel buffer
+    (its alloc and free rows) and plain frees: every path that appends a row."""
+    x = torch.randn(100, requires_grad=True)
+    q = torch.randn(1, 2, 16, 8)
+    t0 = time.perf_counter()
+    with track(inputs=[x, q]) as tl:
+        y = x / 2.0
+        b = x / 4.0
+        del b
+        torch.empty(1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        del out
+        y.sum().backward()
+    wall = time.perf_counter() - t0
+    return tl, wall
+
+
+def test_without_record_stacks_no_row_has_a_site_and_frees_name_no_op():
+    tl, _ = _step_with_every_kind_of_row()
+    assert tl.frames == []
+    assert set(tl.column("frame").tolist()) == {-1}  # -1 is "no frame" (codes index tl.frames)
+    cols = (tl.column("action").tolist(), tl.column("op").tolist(), tl.column("storage").tolist())
+    rows = list(zip(*cols, strict=True))
+    frees = [(op, s) for a, op, s in rows if a == FREE and s != -1]  # (kernel buffers name their op)
+    assert any(s < -1 for _, s in frees) and any(s >= 0 for _, s in frees)  # saved numbers and storages
+    assert {op for op, _ in frees} == {-1}
+    assert all(op >= 0 for a, op, _ in rows if a == ALLOC)  # every allocation names the op that made it
+
+
+def test_times_are_seconds_since_start_in_row_order():
+    tl, wall = _step_with_every_kind_of_row()
+    t = tl.column("time")
+    assert len(t) >= 8 and all(0.0 <= v <= wall for v in t.tolist())
+    assert (np.diff(t) >= 0).all()  # rows are appended as things happen
+
+
+def test_record_stacks_gives_a_saved_number_its_site():
+    x = torch.randn(10, requires_grad=True)
+    with track(inputs=x, record_stacks=True) as tl:
+        y = x / 2.0
+    (saved,) = [r for r in events(tl) if r["storage"] < -1]
+    lines = [ln for ln in saved["frame"].split("\n") if "/mutmut/" not in ln]
+    assert lines[-1].endswith(" test_record_stacks_gives_a_saved_number_its_site")
+    del y
+
+
+def test_register_skips_what_has_no_bytes_or_is_no_tensor_and_goes_on():
+    one = torch.zeros(1, dtype=torch.uint8)  # one byte: counted
+    empty = torch.zeros(0)
+    t = torch.zeros(4)
+    with track(inputs=[empty, one]) as tl:
+        tag([None, t], "ema")
+    assert tl.baseline_by_category["input"] == 1
+    assert tl.baseline_by_category["ema"] == nbytes(t)
+
+
+def test_owned_tensors_from_any_iterable_and_a_single_0_dim_tensor():
+    a, b = torch.zeros(3), torch.zeros(5)
+    scalar = torch.tensor(1.0)  # 0-dim: not iterable
+    with track(owned={"ema": (t for t in (a, b)), "buffer": scalar}) as tl:
+        pass
+    assert tl.baseline_by_category["ema"] == nbytes(a, b)
+    assert tl.baseline_by_category["buffer"] == scalar.untyped_storage().nbytes() == 4
+
+
+def test_host_memory_goes_down_by_what_dies():
+    from memkit.memory import off_device
+
+    with track() as tl:
+        with off_device():
+            a = torch.empty(25)  # 100 B
+            b = torch.empty(50)  # 200 B: 300 alive
+            del a  # 200 alive
+            c = torch.empty(75)  # 300 B: 500 alive, the peak
+    assert tl.meta["host_peak_bytes"] == 200 + 300
+    del b, c
+
+
+def test_storages_on_another_device_are_named_by_it():
+    m = torch.empty(8, device="meta")
+    x = torch.empty(8, device="meta", requires_grad=True)
+    with track(inputs=[m, x]) as tl:
+        y = torch.empty(4, device="meta")
+        z = torch.empty(2)
+        w = x / 2.0  # a saved divisor on the output's device
+    assert tl.devices == ["meta", "cpu"]  # in order of first appearance: the inputs first
+    assert alloc_of(tl, y)["device"] == "meta" and alloc_of(tl, z)["device"] == "cpu"
+    saved = [r for r in events(tl) if r["storage"] < -1 and r["action"] == ALLOC]
+    assert [r["device"] for r in saved] == ["meta"]
+    del y, z, w
+
+
+def test_a_buffer_of_an_op_without_a_tensor_output_is_put_on_cpu_or_the_named_device():
+    plain = Tracker()
+    code = plain._device_code(None)
+    assert plain.log.devices.items[code] == "cpu"
+    named = Tracker(device="cuda:1")
+    assert named.log.devices.items[named._device_code(None)] == "cuda:1"
+
+
+class Halve(nn.Module):
+    def forward(self, x):
+        return x / 2.0
+
+
+def test_a_number_saved_in_the_forward_is_an_activation_once_backward_starts():
+    x = torch.randn(100, requires_grad=True)
+    with track(inputs=x) as tl:
+        y = Halve()(x)
+        y.sum().backward()
+    saved = [r for r in events(tl) if r["storage"] < -1 and r["action"] == ALLOC]
+    assert [(r["bytes"], r["phase"], r["category"]) for r in saved] == [(8, "forward", "activation")]
+
+
+class CloneGrad(torch.autograd.Function):
+    """Identity whose backward is a single op (a clone)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clone()
+
+
+def test_a_backward_of_one_op_still_makes_the_forwards_survivors_activations():
+    x = torch.tensor(2.0, requires_grad=True)
+    with track(inputs=x) as tl:
+        with phase("forward"):
+            kept = torch.empty(8)
+            y = CloneGrad.apply(x)
+        (gx,) = torch.autograd.grad(y, x)
+    backward_allocs = [r for r in events(tl) if r["phase"] == "backward" and r["action"] == ALLOC]
+    assert len(backward_allocs) == 1  # the clone: the backward's only op
+    assert alloc_of(tl, kept)["category"] == "activation"
+    assert gx.item() == 1.0
+    del kept
+
+
+def test_views_and_in_place_ops_on_a_storage_the_tracker_never_saw_add_nothing():
+    x = torch.randn(64)  # not passed to track: unknown to the tracker
+    with track() as tl:
+        v = x.view(8, 8).t()
+        x.neg_()  # in place, no Python number (a wrapped one would be a kernel buffer)
+    assert len(tl) == 0 and tl.peak_bytes == 0
+    del v
+
+
+def test_a_named_non_cpu_device_flags_no_cpu_kernel_path(monkeypatch):
+    monkeypatch.setenv("MEMKIT_LEARN_WORKSPACE", "0")
+    monkeypatch.setattr(cp, "cpu_path", lambda: _path(x86=False, aten_capability="SVE256", onednn_isa="NONE"))
+    a, b = torch.randn(3, 4), torch.randn(4, 2)
+    with track(inputs=[a, b], device="cuda:0") as tl:
+        out = torch.mm(a, b)  # a CUDA matmul's buffers are not the CPU kernel's: nothing unmodelled to flag
+    assert tl.meta["lower_bound_ops"] == []
+    assert [r["bytes"] for r in events(tl)] == [nbytes(out)]  # and no kernel buffer rows
+    with track(inputs=[a, b]) as tl:
+        torch.mm(a, b)  # the same call measured for the CPU: its path is not modelled
+    assert tl.meta["lower_bound_ops"] == ["aten.mm"]
