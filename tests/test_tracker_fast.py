@@ -128,6 +128,24 @@ def test_every_output_of_a_multi_output_op_is_recorded():
     assert born == {key(values): 40, key(indices): 80, key(parts[0]): 40, key(parts[1]): 40}
 
 
+def test_outputs_nested_in_lists_inside_a_tuple_are_recorded_and_match_the_profiler():
+    # The functional fused Adam returns a tuple of lists: (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps).
+    def adam():
+        return torch.ops.aten._fused_adam.default(
+            [p], [g], [m], [v], [], [s], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
+            amsgrad=False, maximize=False,
+        )
+
+    p, g, m, v, s = torch.randn(1000), torch.randn(1000), torch.zeros(1000), torch.zeros(1000), torch.tensor(1.0)
+    with track() as tl:
+        out = adam()
+    born = {r["storage"] for r in events(tl) if r["action"] == ALLOC and r["storage"] != -1}
+    assert {key(t) for group in out for t in group} <= born
+    del out
+    tl, (prof_peak, prof_end) = tracked_and_profiled(adam)
+    assert_equals_profiler(tl, prof_peak, prof_end)
+
+
 def test_a_storage_seen_twice_is_counted_once():
     x = torch.randn(8)
     with track(inputs=x) as tl:

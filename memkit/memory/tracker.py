@@ -206,7 +206,9 @@ class Tracker:
             if isinstance(out, torch.Tensor):
                 self._new_storage(out, category, phase, op)
             else:
-                for t in out if isinstance(out, (tuple, list)) else tree_flatten(out)[0]:
+                # A flat tuple or list is the common case; some ops nest (functional fused Adam: a tuple of lists).
+                flat = isinstance(out, (tuple, list)) and not any(isinstance(t, (tuple, list, dict)) for t in out)
+                for t in out if flat else tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         self._new_storage(t, category, phase, op)
         extra = workspace_fn(args, kwargs, out) if workspace_fn is not None and not _OFF_DEVICE.get() else 0
