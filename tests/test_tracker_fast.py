@@ -132,8 +132,19 @@ def test_outputs_nested_in_lists_inside_a_tuple_are_recorded_and_match_the_profi
     # The functional fused Adam returns a tuple of lists: (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps).
     def adam():
         return torch.ops.aten._fused_adam.default(
-            [p], [g], [m], [v], [], [s], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
-            amsgrad=False, maximize=False,
+            [p],
+            [g],
+            [m],
+            [v],
+            [],
+            [s],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
         )
 
     p, g, m, v, s = torch.randn(1000), torch.randn(1000), torch.zeros(1000), torch.zeros(1000), torch.tensor(1.0)
