@@ -157,6 +157,21 @@ def test_outputs_nested_in_lists_inside_a_tuple_are_recorded_and_match_the_profi
     assert_equals_profiler(tl, prof_peak, prof_end)
 
 
+def test_current_timeline_is_the_innermost_running_block_and_grows_live():
+    from memkit.memory import current_timeline
+
+    assert current_timeline() is None
+    with track() as outer:
+        assert current_timeline() is outer
+        with track() as inner:
+            assert current_timeline() is inner
+            before = current_timeline().peak_bytes
+            x = torch.ones(1000)
+            assert current_timeline().peak_bytes >= before + x.nbytes
+        assert current_timeline() is outer
+    assert current_timeline() is None
+
+
 def test_a_storage_seen_twice_is_counted_once():
     x = torch.randn(8)
     with track(inputs=x) as tl:

@@ -9,9 +9,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 from .events import CATEGORIES, PHASES
 from .timeline import Timeline
 
@@ -28,6 +28,7 @@ _EXPORTS = {
     "read_snapshot": ".snapshot",
     "write_snapshot": ".snapshot_write",
     "Tracker": ".tracker",
+    "current_timeline": ".tracker",
     "off_device": ".tracker",
     "phase": ".tracker",
     "tag": ".tracker",
@@ -47,6 +48,7 @@ __all__ = [
     "allocator_window",
     "cuda_history_available",
     "cuda_snapshot",
+    "current_timeline",
     "load_snapshot",
     "off_device",
     "phase",
@@ -63,16 +65,7 @@ if TYPE_CHECKING:
     from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
-    from .tracker import Tracker, off_device, phase, tag, track, tracking
+    from .tracker import Tracker, current_timeline, off_device, phase, tag, track, tracking
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'memkit.memory' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

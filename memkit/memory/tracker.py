@@ -622,3 +622,18 @@ def tracking() -> bool:
         ...     assert memkit.memory.tracking()
     """
     return bool(_active)
+
+
+def current_timeline() -> Timeline | None:
+    """The Timeline of the innermost :func:`track` block running now, or None outside one.
+
+    It is live: it grows while the block runs (each read is a snapshot of the events so far), so a progress view
+    can follow a step that ``compare`` or ``estimate`` tracks inside without changing them.
+
+    Example:
+        >>> with memkit.track():
+        ...     live = memkit.memory.current_timeline()
+        ...     y = torch.ones(1000)
+        >>> live.peak_bytes
+    """
+    return _active[-1].timeline if _active else None

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..memory import tracker as _tracker
+from ..memory import current_timeline
 from ..memory.timeline import Timeline
 
 __all__ = ["Stopped", "watching"]
@@ -28,13 +28,6 @@ __all__ = ["Stopped", "watching"]
 
 class Stopped(Exception):
     """A stop was asked for: the run ended between two ops."""
-
-
-def _running_timeline() -> Timeline | None:
-    # The innermost active tracker's Timeline. memkit.memory has no public accessor for it (yet): compare() and
-    # estimate() open their trackers inside, and this is the one way to follow them without changing them.
-    active = _tracker._active
-    return active[-1].timeline if active else None
 
 
 class _Watch(TorchDispatchMode):
@@ -62,7 +55,7 @@ class _Watch(TorchDispatchMode):
         return out
 
     def follow(self) -> None:
-        tl = _running_timeline()
+        tl = current_timeline()  # compare() and estimate() open their trackers inside
         if tl is not self.current:
             self.flush()  # the step followed so far has ended: its final state, once
             self.current = tl
