@@ -19,7 +19,8 @@ import os
 import re
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,19 @@ class Section:
 def log(message: str) -> None:
     """Progress line, flushed at once (benchmarks run for minutes)."""
     print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block with one torch thread (timings on a shared machine), then restore the count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _cell(value: Any) -> str:

@@ -27,7 +27,7 @@ import torch
 
 import memkit
 
-from . import Section, Table, log
+from . import Section, Table, log, one_thread
 
 TITLE = "checkpointing: memory/time frontier per pattern and provider; PR #10611's LTX-Video table estimated"
 MiB, GiB = 2**20, 2**30
@@ -203,16 +203,12 @@ def _notes(frontier: list[dict], pr: list[dict]) -> list[str]:
 
 
 def run(quick: bool = False) -> Section:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         full = ("none", "every:4", "every:2", "skip-every:4", "all", "every:2@offload", "all@offload")
         pr = _pr_rows(("none", "all", "all@offload") if quick else full)
         frontier = []
         for preset, sizes in CASES:
             frontier += _frontier(preset, sizes, rounds=1 if quick else 3)
-    finally:
-        torch.set_num_threads(threads)
     notes = _notes(frontier, pr)
     return Section(
         name="checkpointing",

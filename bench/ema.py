@@ -20,7 +20,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import memkit
 
-from . import Section, Table, log
+from . import Section, Table, log, one_thread
 
 TITLE = "ema: one EMA update, memkit vs diffusers EMAModel, torch AveragedModel and ema-pytorch"
 DECAY = 0.9999
@@ -103,17 +103,13 @@ def _case(dtype: torch.dtype, rounds: int) -> list[dict]:
 
 
 def run(quick: bool) -> Section:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         rows = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for dtype in (torch.float32, torch.bfloat16):
                 log(f"ema: flux small, {dtype}")
                 rows += _case(dtype, 2 if quick else 21)
-    finally:
-        torch.set_num_threads(threads)
     mk = {r["model / EMA"]: r for r in rows if r["way"] == "memkit foreach=True"}
     notes = []
     for key, r in mk.items():

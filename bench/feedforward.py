@@ -27,7 +27,7 @@ from diffusers.models.attention import FeedForward
 
 import memkit
 
-from . import Section, Table, log
+from . import Section, Table, log, one_thread
 
 TITLE = "feedforward: FFSplit peak and time against splits (PR #10623 reproduced)"
 GIB = 2**30
@@ -210,15 +210,11 @@ def _chunking_rows(quick: bool) -> list[dict]:
 
 
 def run(quick: bool) -> Section:
-    threads = torch.get_num_threads()
-    try:
-        pr = _pr_rows()
-        peaks = _peak_rows(quick)
-        torch.set_num_threads(1)
+    pr = _pr_rows()
+    peaks = _peak_rows(quick)
+    with one_thread():
         times = _time_rows(quick)
         chunking = _chunking_rows(quick)
-    finally:
-        torch.set_num_threads(threads)
     notes = []
     worst = max(abs(r["memkit normal GiB"] / r["PR normal GiB"] - 1) for r in pr)
     notes.append(f"unsplit peak vs the PR's: worst |Δ| {worst:.1%} (target 3%): {'met' if worst <= 0.03 else 'MISSED'}")

@@ -22,7 +22,7 @@ import memkit
 from memkit.memory import allocator_window, track
 from memkit.memory.workspace import cpu_path, learned
 
-from . import Section, Table, log
+from . import Section, Table, log, one_thread
 
 TITLE = "learned_workspace: kernel buffers learned from the allocator, cost and exactness"
 CASES = (
@@ -99,17 +99,13 @@ def _case(preset: str, size: str, dtype: torch.dtype) -> dict:
 
 
 def run(quick: bool = False) -> Section:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     rows = []
-    try:
+    with one_thread():
         for preset, size, dtype in CASES:
             if quick and size != "tiny":
                 continue
             log(f"  {preset} ({size}) {dtype}")
             rows.append(_case(preset, size, dtype))
-    finally:
-        torch.set_num_threads(threads)
     exact = all(r["short, learning on"] == 0 and r["flagged, learning on"] == 0 for r in rows)
     notes = [
         f"CPU path: {cpu_path.cpu_path()}.",

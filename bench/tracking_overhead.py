@@ -14,12 +14,11 @@ import statistics
 import time
 from contextlib import nullcontext
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memkit
 
-from . import Section, Table, log
+from . import Section, Table, log, one_thread
 
 TITLE = "tracking_overhead: step time with and without memkit.track()"
 CASES = (("flux", "tiny"), ("unet", "tiny"), ("flux", "small"), ("unet", "small"))
@@ -91,9 +90,7 @@ def _measure(preset: str, size: str, repeats: int, warmup: int) -> dict:
 
 def run(quick: bool = False) -> Section:
     rows = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         for preset, size in CASES:
             if quick and size != "tiny":
                 continue
@@ -101,8 +98,6 @@ def run(quick: bool = False) -> Section:
             log(f"  {preset} ({size}): {repeats} interleaved rounds after 2 warm-ups")
             rows.append(_measure(preset, size, repeats, warmup=2))
             log(f"  {preset} ({size}): track / plain = {rows[-1]['track / plain']:.2f}")
-    finally:
-        torch.set_num_threads(threads)
     notes = [
         "ms columns: fastest round; ratio and µs/op columns: from the fastest rounds.",
         "µs/op spreads the extra time over every dispatched op (views included); the design note measured ~13 µs.",
