@@ -473,6 +473,80 @@ EQUIVALENT: dict[tuple[str, str], str] = {
             "return fn(args, kwargs, out) if fn is not None else 1",
         )
     },
+    # ---- workspace/
+    **{
+        ("cpu_flags", line): "a /proc/cpuinfo flags line has one ':' (flag names are letters, digits and '_')"
+        for line in (
+            'return frozenset(line.split(":", )[1].split())',
+            'return frozenset(line.rsplit(":", 1)[1].split())',
+            'return frozenset(line.split(":", 2)[1].split())',
+        )
+    },
+    **{
+        ("missing_flags", f"return sorted(set(ONEDNN_ISAS[_ALIASES.get({arg}) or isa]) - flags)"): "a name that is "
+        "not an alias falls back to itself through 'or isa' whatever get() returns for it"
+        for arg in ("isa, None", "isa", "isa, ")
+    },
+    **{
+        (function, line): "an op's schema name is always 'namespace::name', with one '::'"
+        for function, line in (
+            ("_op_name", 'return func._schema.name.split("::")[+1]'),
+            ("saved_scalars_fn", 'name = func._schema.name.split("::")[+1]'),
+            ("_resolve", 'namespace, _, opname = name.rpartition("::")'),
+        )
+    },
+    ("saved_scalars_fn", 'if name.endswith("_") and not name.endswith("XX__XX"):'): "no dunder op (__and__, "
+    "__lshift__...) is among the ops whose backward saves a number, trimmed or not",
+    ("workspace_fn", "n = _wrapped_scalars(slots, args) if (slots) or True else 0"): "_wrapped_scalars of no slots "
+    "is 0",
+    ("_tensor", "base.uniform_(-1, )"): "uniform_'s upper bound defaults to 1",
+    **{
+        (function, line): "the length prefix of a request or answer (a few hundred bytes of shapes and numbers) is "
+        "far below 2**31, where signed and unsigned 4-byte integers agree"
+        for function, line in (
+            ("_read", '(n,) = struct.unpack(">i", head)'),
+            ("_write", 'stream.write(struct.pack(">i", len(data)) + data)'),
+            ("_ask", 'worker.stdin.write(struct.pack(">i", len(data)) + data)'),
+        )
+    },
+    **{
+        (function, line): "both ends of the pipe are the same Python, which reads every protocol it writes"
+        for function, line in (
+            *(("_write", f"data = pickle.dumps(obj, {arg})") for arg in ("protocol=None", "", "protocol=5")),
+            *(
+                ("_ask", f"data = pickle.dumps((op, args, kwargs, threads), {arg})")
+                for arg in ("protocol=None", "", "protocol=5")
+            ),
+        )
+    },
+    **{
+        ("enabled", f'return os.environ.get("MEMKIT_LEARN_WORKSPACE", {arg}) != "0"'): "every default but '0' "
+        "leaves learning on, as '1' does"
+        for arg in ("None", "", '"XX1XX"')
+    },
+    **{
+        (
+            "learned_bytes",
+            f'func._schema.name + "." + (func._overloadname or "{name}"), spec_args, spec_kwargs, threads',
+        ): "an OpOverload's _overloadname is 'default' for the default overload, never empty"
+        for name in ("XXdefaultXX", "DEFAULT")
+    },
+    **{
+        (
+            "_ask",
+            f'warnings.warn(f"memkit: {{_broken}}; ops it would have measured are flagged as lower bounds", {arg})',
+        ): "the stack level only changes which line the warning names; its text is tested"
+        for arg in ("", "stacklevel=3")
+    },
+    ("_start", "stderr=None,"): "the worker writes nothing to stderr unless it crashes, and a crash is caught and "
+    "said as a warning either way; only a traceback on the terminal would differ",
+    **{
+        ("_stop", f"worker.wait(timeout={arg})"): "the worker exits as soon as its stdin closes; the timeout only "
+        "bounds a worker that hangs, which no test can make happen within it"
+        for arg in ("None", "6")
+    },
+    ("flash_cpu_forward", "q, k = args[0], args[2]"): "key and value have the same length in every attention "
+    "call, and the formula reads only the key's length",
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching

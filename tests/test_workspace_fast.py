@@ -7,12 +7,17 @@ Fast enough to run against every mutant (``python -m bench.mutation workspace``)
 profiler, from tensor sizes or from torch itself, never from a previous run's output.
 """
 
+import hashlib
 import io
+import json
 import os
 import pickle
 import struct
+import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +126,101 @@ def test_the_formulas_are_what_workspace_fn_gives_for_flash_attention(monkeypatc
     assert workspace.lower_bound_fn(FLASH)((q, q, q), {}) is False
 
 
+# The formulas model the AVX2 kernel path. On a CPU that takes another path the tests above learn the buffers
+# instead, so here the kernels run under the profiler in a child process limited to AVX2 (torch only, no memkit),
+# and the formulas are checked against what it measured, call by call.
+_FLASH_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch._C._profiler import _EventType
+
+    def buffers(fn):  # peak minus end of the CPU allocator over one call: the kernel's internal buffers
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        sizes = []
+        def walk(nodes):
+            for n in nodes:
+                if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
+                    sizes.append((n.start_time_ns, n.extra_fields.alloc_size))
+                walk(n.children)
+        walk(prof.profiler.kineto_results.experimental_event_tree())
+        live = peak = 0
+        for _, size in sorted(sizes):
+            live += size
+            peak = max(peak, live)
+        return out, peak - live
+
+    aten = torch.ops.aten
+    result = {"capability": torch.backends.cpu.get_cpu_capability(), "cases": []}
+    for b, h, q_len, kv_len, d, dtype, threads, layout in json.loads(sys.argv[1]):
+        torch.set_num_threads(threads)
+        dt = getattr(torch, dtype)
+        q = torch.randn(b, h, q_len, d, dtype=dt)
+        k, v = (torch.randn(b, h, kv_len, d, dtype=dt) for _ in range(2))
+        (out, lse), forward = buffers(lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v))
+        grad = torch.randn(b, q_len, h, d, dtype=dt).transpose(1, 2) if layout else torch.randn_like(out)
+        _, backward = buffers(
+            lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False)
+        )
+        result["cases"].append([forward, backward])
+    print(json.dumps(result))
+    """
+)
+_FLASH_CASES = [
+    # batch, heads, q_len, kv_len, head_dim, dtype, threads, grad already in the kernel's layout
+    (1, 2, 40, 40, 8, "float32", 1, False),  # q split 32 (q_len < 192)
+    (1, 1, 40, 100, 8, "float32", 2, False),  # cross-attention: the kv split follows k; per-thread buffers
+    (1, 1, 192, 600, 4, "float32", 1, True),  # q split 64 from 192; kv split at most 512; no gradient copy
+    (2, 1, 768, 24, 16, "float32", 2, False),  # q split 256 from 768; kv shorter than q
+    (1, 2, 40, 72, 8, "bfloat16", 2, False),  # reduced precision: fp32 accumulators and bf16 twins
+    (1, 1, 200, 30, 12, "bfloat16", 1, True),
+    (1, 1, 40, 72, 8, "float64", 2, False),  # accumulates in fp64
+]
+
+
+@pytest.fixture(scope="module")
+def avx2_flash_buffers():
+    if "avx2" not in cp.cpu_flags() or "fma" not in cp.cpu_flags():
+        pytest.skip("this CPU has no AVX2 path to measure the formulas against")
+    cases = [list(c) for c in _FLASH_CASES]
+    # What the kernels allocate depends on torch and the cases, not on memkit: kept across runs (mutation testing
+    # runs this test once per mutant of the formulas).
+    key = hashlib.sha256(repr((torch.__version__, _FLASH_CHILD, cases)).encode()).hexdigest()[:16]
+    cache = Path(tempfile.gettempdir()) / f"memkit-avx2-flash-{key}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FLASH_CHILD, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["capability"] == "AVX2", result
+    cache.write_text(json.dumps(result["cases"]))
+    return result["cases"]
+
+
+@pytest.mark.parametrize("i", range(len(_FLASH_CASES)))
+def test_flash_attention_formulas_equal_the_avx2_kernels_measured_in_a_child(avx2_flash_buffers, i):
+    b, h, q_len, kv_len, d, dtype, threads, layout = _FLASH_CASES[i]
+    dt = getattr(torch, dtype)
+    q = torch.empty(b, h, q_len, d, dtype=dt, device="meta")
+    k = v = torch.empty(b, h, kv_len, d, dtype=dt, device="meta")
+    out = torch.empty_like(q)
+    grad = torch.empty(b, q_len, h, d, dtype=dt, device="meta").transpose(1, 2) if layout else torch.empty_like(q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        forward = attention.flash_cpu_forward((q, k, v), {}, (out, None))
+        backward = attention.flash_cpu_backward((grad, q, k, v, out, None), {}, None)
+    finally:
+        torch.set_num_threads(before)
+    assert [forward, backward] == avx2_flash_buffers[i]
+    assert type(forward) is int and type(backward) is int  # bytes, never a float from a division
+
+
 # ---- scalars.py --------------------------------------------------------------------------------------------------
 
 
@@ -204,6 +304,8 @@ def test_supported_isas_and_missing_flags_for_synthetic_flag_sets():
     avx512 = frozenset({"sse4_1", "avx", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
     assert cp.supported_isas(avx512)[-1] == "AVX512_CORE" and "AVX2_VNNI" not in cp.supported_isas(avx512)
     assert cp.supported_isas(ALL_FLAGS) == list(cp.ONEDNN_ISAS)
+    for isa, need in cp.ONEDNN_ISAS.items():  # exactly the flags an ISA needs are enough for it
+        assert isa in cp.supported_isas(frozenset(need)) and cp.missing_flags(isa, frozenset(need)) == []
     assert cp.missing_flags("AVX2", frozenset({"avx"})) == ["avx2"]
     assert cp.missing_flags("AVX512_CORE_VNNI", frozenset({"avx512f", "avx512vl"})) == [
         "avx512_vnni",
@@ -414,6 +516,52 @@ def test_each_signature_is_asked_once_and_cached(monkeypatch, fresh_learned):
     assert learned.cache_info() == {"learned": 2, "failed": 1}
 
 
+def test_the_worker_is_asked_with_the_calls_keyword_arguments_and_thread_count(monkeypatch, fresh_learned):
+    asked = []
+    monkeypatch.setattr(learned, "_ask", lambda *request: asked.append(request) or 32)
+    a = torch.randn(2, 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert learned.learned_bytes(aten.addmm.default, (a, a, a), {"beta": 2.0, "alpha": 0.5}) == 32
+    finally:
+        torch.set_num_threads(before)
+    ((op, args, kwargs, threads),) = asked
+    assert op == "aten::addmm.default" and len(args) == 3 and threads == 2
+    assert kwargs == {"alpha": learned._spec(0.5, [0]), "beta": learned._spec(2.0, [0])}
+
+
+def test_workspace_fn_and_lower_bound_fn_pass_the_call_through(monkeypatch):
+    # What the learned sizes and the formulas are given is this call's arguments, keyword arguments and outputs.
+    monkeypatch.setattr(cp, "cpu_path", lambda: NOT_X86)  # nothing modelled: matmuls are learned
+    seen = []
+    monkeypatch.setattr(learned, "learned_bytes", lambda func, args, kwargs: seen.append((func, args, kwargs)) or 48)
+    a, kwargs = torch.randn(2, 2), {"out_dtype": None}
+    assert workspace.workspace_fn(aten.mm.default, "cpu")((a, a), kwargs, a) == 48
+    assert workspace.lower_bound_fn(aten.mm.default, "cpu:0")((a, a), kwargs) is False
+    assert seen == [(aten.mm.default, (a, a), kwargs)] * 2
+    monkeypatch.setattr(learned, "learned_bytes", lambda func, args, kwargs: None)
+    assert workspace.lower_bound_fn(aten.mm.default, "cpu")((a, a), kwargs) is True
+
+    formula_got = []
+    monkeypatch.setattr(cp, "cpu_path", _path)
+    monkeypatch.setitem(workspace._CPU, FLASH, lambda *call: formula_got.append(call) or 7)
+    q, out = torch.randn(1, 1, 4, 2), object()
+    assert workspace.workspace_fn(FLASH)((q, q, q), {"scale": 0.5}, out) == 7
+    assert formula_got == [((q, q, q), {"scale": 0.5}, out)]
+    # An op with a formula and no tensor arguments adds no wrapped numbers of its own.
+    monkeypatch.setitem(workspace._CPU, aten.ones.default, lambda args, kwargs, out: 0)
+    assert workspace.workspace_fn(aten.ones.default)(([2],), {}, None) == 0
+
+
+def test_a_matmul_is_learned_by_its_dtype_on_a_path_that_models_only_some(monkeypatch):
+    path = _path(onednn_isa="AVX512_CORE", aten_capability="AVX512")
+    monkeypatch.setattr(cp, "cpu_path", lambda: path)
+    fp32, bf16 = torch.randn(2, 2), torch.randn(2, 2, dtype=torch.bfloat16)
+    assert cp.modelled("mm", torch.float32) and not cp.modelled("mm", torch.bfloat16)  # the premise
+    assert workspace._needs_learning("mm", (bf16, bf16)) and not workspace._needs_learning("mm", (fp32, fp32))
+
+
 FAKE_WORKER = textwrap.dedent(
     """
     import os, pickle, struct, sys
@@ -499,6 +647,8 @@ def test_a_failed_worker_gives_none_warns_once_and_is_not_asked_again(fake_worke
     with pytest.warns(UserWarning, match=r"memkit: the workspace worker failed \(EOFError: .*\); ops it would"):
         assert learned.learned_bytes(aten.mm.default, (a, a), {}) is None
     assert learned._broken.startswith("the workspace worker failed (EOFError")
+    said = {"not-ready": "the worker answered 'busy' instead of 'ready')", "half-ready": "mid-answer)"}
+    assert learned._broken.endswith(said.get(mode, "closed its pipe)"))
     assert learned._worker is None
     monkeypatch.setenv("FAKE_MODE", "ok")
     assert learned._ask("aten::mm.default", (), {}, 1) is None  # broken for the rest of the process
@@ -516,7 +666,7 @@ def test_read_needs_a_whole_answer():
     assert learned._read(io.BytesIO(struct.pack(">I", len(data)) + data)) == ("ok", 12)
     with pytest.raises(EOFError, match="closed its pipe$"):
         learned._read(io.BytesIO(b"\x00\x00"))
-    with pytest.raises(EOFError, match="mid-answer"):
+    with pytest.raises(EOFError, match="^the worker closed its pipe mid-answer$"):
         learned._read(io.BytesIO(struct.pack(">I", len(data)) + data[:-1]))
 
 
