@@ -45,6 +45,7 @@ _EXPORTS = {
     "plan_checkpointing": ".optimizations.checkpoint_plan",
     "EMA": ".optimizations.ema",
     "FFSplit": ".optimizations.feedforward",
+    "Offload": ".optimizations.offload",
     "compare": ".comparison",
     "Comparison": ".comparison",
     "Variant": ".comparison",
@@ -73,6 +74,7 @@ __all__ = [
     "EMA",
     "FFSplit",
     "Handle",
+    "Offload",
     "Optimization",
     "PHASES",
     "PRESETS",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:
     from .optimizations.checkpoint_plan import CheckpointPlan, plan_checkpointing
     from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
+    from .optimizations.offload import Offload
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
     from .widgets.app import Playground
