@@ -202,13 +202,17 @@ class _Offloader:
         return ahead
 
     # -- hooks ---------------------------------------------------------------------------------------------
-    def enter(self, g: _Group) -> None:
-        """A member of ``g`` starts its forward: the groups not in use go, ``g`` comes, the next ones start."""
+    def enter(self, g: _Group, top: bool) -> None:
+        """A module of ``g`` starts its forward (``top``: a block itself; else one of its layers, which a model may
+        call outside the block, as DiT calls block 0's embedder): the groups not in use go, ``g`` comes, the
+        next ones start loading."""
         g.active += 1
         if g.real is None:
             self.offload_others(keep=[g])
             self.onload(g)
-        self.prefetch_after(g, 1)
+            top = True
+        if top:
+            self.prefetch_after(g, 1)
 
     def root_pre(self, module, args) -> None:
         self.offload_others()  # what an optimizer step onloaded (written back if changed)
@@ -301,8 +305,12 @@ class _Offloader:
         entries: dict[int, tuple[nn.Module, list]] = {}
         for g in self.groups:
             for m in g.modules:
-                h.append(m.register_forward_pre_hook(lambda mod, args, g=g: self.enter(g)))
+                h.append(m.register_forward_pre_hook(lambda mod, args, g=g: self.enter(g, True)))
                 h.append(m.register_forward_hook(lambda mod, a, o, g=g: _leave(g), always_call=True))
+                for sub in m.modules() if self.config.group == "block" else ():
+                    if sub is not m and any(True for _ in sub.parameters(recurse=False)):
+                        h.append(sub.register_forward_pre_hook(lambda mod, args, g=g: self.enter(g, False)))
+                        h.append(sub.register_forward_hook(lambda mod, a, o, g=g: _leave(g), always_call=True))
                 h.append(m.register_load_state_dict_pre_hook(self.load_pre_hook([g])))
                 names = {id(p): n for n, p in m.named_parameters()}
                 listed = entries.setdefault(id(m), (m, []))[1]
