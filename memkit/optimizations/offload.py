@@ -344,6 +344,18 @@ class _Offloader:
         self.store.close()
 
 
+def _return_freed_memory() -> None:
+    """Hand the weights just freed back to the operating system, so RSS drops now: glibc keeps freed blocks
+    below its (adaptive) mmap threshold in its heap until ``malloc_trim``. Elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
 def _leave(g: _Group) -> None:
     g.active = max(0, g.active - 1)
 
@@ -467,6 +479,8 @@ class Offload:
         self._note_memory(store, groups)
         offloader = _Offloader(model, self, groups, store, device)
         offloader.install()
+        if not fake:
+            _return_freed_memory()
         handle = Handle(offloader.remove, name=str(self))
         handle.offloader = offloader
         handle.folder = getattr(store, "folder", None)
