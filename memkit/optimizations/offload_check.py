@@ -21,10 +21,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["VARIANTS", "CheckRow", "diffusers_check", "table"]
+__all__ = ["VARIANTS", "CheckRow", "diffusers_available", "diffusers_check", "table"]
 
 VARIANTS = ("memkit-disk", "memkit-disk-reused", "diffusers-memory", "diffusers-disk", "diffusers-disk-reused")
 """What :func:`diffusers_check` runs by default (diffusers' rows need ``accelerate`` installed)."""
+
+
+def diffusers_available() -> bool:
+    """Whether diffusers' group offloading can run here (it needs ``accelerate``).
+
+    Example:
+        >>> variants = VARIANTS if diffusers_available() else ("memkit-disk", "memkit-disk-reused")
+    """
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,6 @@ def diffusers_check(
     Example:
         >>> [r.variant for r in diffusers_check("flux") if not r.passed]
     """
-    from diffusers.hooks import apply_group_offloading
-
     from ..models import load_model, make_inputs
     from .offload import Offload
 
@@ -113,6 +122,10 @@ def diffusers_check(
         torch.manual_seed(s)
         return model()
 
+    if any(v.startswith("diffusers") for v in variants):
+        if not diffusers_available():
+            raise ImportError("diffusers' group offloading needs accelerate: pip install accelerate")
+        from diffusers.hooks import apply_group_offloading
     base = build(seed)
     inputs = make_inputs(base, seed=seed)
     reference = _reference(base, inputs)
