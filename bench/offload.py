@@ -224,7 +224,10 @@ def run(quick: bool = False) -> Section:
     if diff:
         notes.append(
             f"Against diffusers' disk offload: memkit prefetch=1 takes {m1['time / diffusers']:.2f}x its time "
-            f"({'faster' if m1['time / diffusers'] < 1 else 'NOT faster'})."
+            f"({'faster' if m1['time / diffusers'] < 1 else 'NOT faster'}"
+            + ("; within the ±10% noise of this machine" if abs(m1["time / diffusers"] - 1) < 0.1 else "")
+            + f"), at {m1['peak RSS over base MiB'] / by['diffusers block']['peak RSS over base MiB']:.2f}x its "
+            "peak RSS."
         )
     notes.append(
         "Read per forward: rchar of /proc/self/io (read() calls, page cache hits included): memkit reads every "

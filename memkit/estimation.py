@@ -86,12 +86,11 @@ def note_disk_memory(nbytes: int) -> None:
 
 
 @contextlib.contextmanager
-def _planning(device: str) -> Iterator[tuple[dict[str, list[torch.Tensor]], list[int]]]:
+def _planning(device: str) -> Iterator[dict[str, list[torch.Tensor]]]:
     host: dict[str, list[torch.Tensor]] = {}
-    disk: list[int] = []
-    token = _PLAN.set((device, host, disk))
+    token = _PLAN.set((device, host, []))  # the list: bytes noted on disk (note_disk_memory)
     try:
-        yield host, disk
+        yield host
     finally:
         _PLAN.reset(token)
 
@@ -202,7 +201,8 @@ def estimate(
     label = model if isinstance(model, str) else "model"
     n = step.steps
     bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
-    with bar, FakeTensorMode(), _default_dtype(dtype), _planning(device) as (host, disk):
+    with bar, FakeTensorMode(), _default_dtype(dtype), _planning(device) as host:
+        disk = _PLAN.get()[2]
         bar.set_postfix_str("building the model")
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
