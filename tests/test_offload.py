@@ -409,3 +409,70 @@ def test_compare_without_an_optimizer_reads_real_weights_and_shows_the_saving():
     r, base = cmp.results["disk"], cmp.results["baseline"]
     assert r.passed and r.max_abs_d_param == 0.0  # the weights compared after the step are real, not placeholders
     assert _param_peak(r.timeline) < 0.5 * _param_peak(base.timeline)
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda: logs what the prefetch path asks of streams and events."""
+
+    def __init__(self):
+        self.log = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = "side"
+
+            def wait_event(self, event):
+                fake.log.append(("wait", self.name, event))
+
+        class Event:
+            def record(self, stream):
+                fake.log.append(("record", stream.name))
+
+        self.Stream, self.Event = Stream, Event
+        self.current = Stream()
+        self.current.name = "compute"
+        self.active = None
+
+    def stream(self, s):
+        fake = self
+
+        class Ctx:
+            def __enter__(self):
+                fake.active = s.name
+                fake.log.append(("enter", s.name))
+
+            def __exit__(self, *exc):
+                fake.active = None
+                fake.log.append(("exit", s.name))
+
+        return Ctx()
+
+    def current_stream(self, device=None):
+        return self.current
+
+
+def test_cuda_prefetch_copies_on_a_side_stream_and_the_compute_stream_waits(monkeypatch):
+    """The logic of the CUDA path, on CPU tensors: copies inside the side stream, an event after them, and the
+    compute stream waiting on that event (and recording the tensors) before the weights are handed out."""
+    fake = _FakeCuda()
+    copies = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        copies.append((fake.active, kwargs.get("non_blocking")))
+        return real_to(self, *args, **kwargs)
+
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append(s.name), raising=False)
+    store = store_mod.HostStore(torch.device("cpu"))
+    store.streams = store_mod.CudaStreams(fake, torch.device("cpu"))
+    weights = [torch.randn(3, 4), torch.randn(5)]
+    store.save(0, ["a", "b"], weights)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    pending = store.prefetch(0)
+    assert copies == [("side", True), ("side", True)]
+    assert [e[0] for e in fake.log] == ["enter", "record", "exit"] and fake.log[1][1] == "side"
+    out = pending.result()
+    assert fake.log[-1][:2] == ("wait", "compute") and recorded == ["compute", "compute"]
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(out, weights, strict=True))

@@ -55,15 +55,47 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+class CudaStreams:
+    """The one CUDA-only piece: prefetch copies on a side stream, an event after them, and the compute stream
+    waiting for that event before it uses the weights (which are recorded on it, so the allocator does not reuse
+    their memory while the side stream may still write it). ``cuda`` is ``torch.cuda`` (tests pass a stand-in)."""
+
+    def __init__(self, cuda, device: torch.device):
+        self.cuda, self.device = cuda, device
+        self.side = cuda.Stream(device=device)
+
+    def copy_in(self, host: Sequence[torch.Tensor]) -> _Pending:
+        with self.cuda.stream(self.side):
+            out = [h.to(self.device, copy=True, non_blocking=True) for h in host]
+            event = self.cuda.Event()
+            event.record(self.side)
+        return _Pending(self, out, event)
+
+
+class _Pending:
+    """Copies issued on the side stream; ``result()`` makes the compute stream wait for them."""
+
+    def __init__(self, streams: CudaStreams, out: list[torch.Tensor], event):
+        self.streams, self.out, self.event = streams, out, event
+
+    def result(self) -> list[torch.Tensor]:
+        current = self.streams.cuda.current_stream(self.streams.device)
+        current.wait_event(self.event)
+        for t in self.out:
+            t.record_stream(current)
+        return self.out
+
+
 class HostStore:
     """Weights kept in CPU memory: the original CPU tensors themselves, or pinned copies of accelerator ones;
-    a load copies them to the device (non-blocking from pinned memory on CUDA)."""
+    a load copies them to the device (non-blocking from pinned memory on CUDA, prefetches on a side stream)."""
 
     kind = "cpu"
 
     def __init__(self, device: torch.device):
         self.device = device
         self.host: dict[int, list[torch.Tensor]] = {}
+        self.streams = CudaStreams(torch.cuda, device) if device.type == "cuda" else None
 
     def save(self, gid: int, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
         if self.device.type == "cpu":
@@ -81,8 +113,12 @@ class HostStore:
         tag(out, "parameter")
         return out
 
-    def prefetch(self, gid: int) -> _Done:
-        return _Done(self.load(gid))
+    def prefetch(self, gid: int) -> _Done | _Pending:
+        if self.streams is None:
+            return _Done(self.load(gid))
+        pending = self.streams.copy_in(self.host[gid])
+        tag(pending.out, "parameter")
+        return pending
 
     def read(self, gid: int) -> list[torch.Tensor]:
         """The real values, for a state_dict: the host tensors (copies of them, so nobody writes into them)."""
