@@ -14,7 +14,7 @@ Training is correct: the tensors autograd saves that are views of offloaded weig
 rebuilt in the backward from the group, onloaded again in reverse order; ``state_dict()`` gives real values while
 offloaded; ``load_state_dict`` and ``memkit.EMA`` onload what they read or write. The same ``nn.Parameter``
 objects stay in the model: an offloaded one holds a zero-stride placeholder of its shape, dtype and device (it
-reads as zeros; writing to it raises). Apply it after :class:`memkit.EMA` (the registry's order does).
+reads as zeros; writing to it raises); code that reads weights directly can use :func:`onloaded`.
 
 diffusers' ``apply_group_offloading(offload_to_disk_path=...)`` (PR #11682) gives wrong gradients in training and
 wrong ``state_dict()`` values while offloaded, and reuses another model's files given the same folder;
