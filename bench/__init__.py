@@ -33,6 +33,7 @@ BENCHMARKS: tuple[str, ...] = (
     "ema",
     "feedforward",
     "checkpointing",
+    "offload",
 )
 """Benchmark module names, in run order."""
 

@@ -46,6 +46,7 @@ _EXPORTS = {
     "plan_checkpointing": ".optimizations.checkpoint_plan",
     "EMA": ".optimizations.ema",
     "FFSplit": ".optimizations.feedforward",
+    "Offload": ".optimizations.offload",
     "compare": ".comparison",
     "Comparison": ".comparison",
     "Variant": ".comparison",
@@ -74,6 +75,7 @@ __all__ = [
     "EMA",
     "FFSplit",
     "Handle",
+    "Offload",
     "Optimization",
     "PHASES",
     "PRESETS",
@@ -109,6 +111,7 @@ if TYPE_CHECKING:
     from .optimizations.checkpoint_plan import CheckpointPlan, plan_checkpointing
     from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
+    from .optimizations.offload import Offload
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
     from .widgets.app import Playground

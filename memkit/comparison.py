@@ -208,7 +208,10 @@ def _clone_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _clone_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    from .optimizations.offload import onloaded
+
+    with onloaded(model):  # an offloaded model's real weights, not its placeholders
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

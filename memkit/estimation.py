@@ -15,7 +15,8 @@ State an optimization keeps in host memory while the parameters are on the accel
 :func:`planned_device` to know its fake CPU parameters stand for ``"cuda"`` ones and marks that state with
 :func:`note_host_memory`; tensors made during the step that leave the device (checkpoint inputs offloaded by
 ``Checkpointing(provider="offload")``) are made under :func:`memkit.memory.off_device`.
-``timeline.meta["host_bytes"]`` reports both by category.
+``timeline.meta["host_bytes"]`` reports both by category; weights an ``Offload(to="disk")`` keeps on disk are
+noted with :func:`note_disk_memory` and reported in ``timeline.meta["disk_bytes"]``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from .models import _default_dtype, load_model, make_inputs
 from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
-__all__ = ["estimate", "note_host_memory", "planned_device"]
+__all__ = ["estimate", "note_disk_memory", "note_host_memory", "planned_device"]
 
 # (planned device, host tensors by category) while an estimate builds and steps its model
-_PLAN: contextvars.ContextVar[tuple[str, dict[str, list[torch.Tensor]]] | None] = contextvars.ContextVar(
+_PLAN: contextvars.ContextVar[tuple[str, dict[str, list[torch.Tensor]], list[int]] | None] = contextvars.ContextVar(
     "memkit_estimate_plan", default=None
 )
 
@@ -72,10 +73,22 @@ def note_host_memory(category: str, tensors: Iterable[torch.Tensor]) -> None:
         plan[1].setdefault(category, []).extend(tensors)
 
 
+def note_disk_memory(nbytes: int) -> None:
+    """Inside an estimate: an optimization keeps ``nbytes`` on disk (``memkit.Offload(to="disk")``'s files),
+    reported in ``timeline.meta["disk_bytes"]``. Elsewhere: nothing.
+
+    Example:
+        >>> note_disk_memory(sum(p.numel() * p.element_size() for p in offloaded))
+    """
+    plan = _PLAN.get()
+    if plan is not None:
+        plan[2].append(int(nbytes))
+
+
 @contextlib.contextmanager
 def _planning(device: str) -> Iterator[dict[str, list[torch.Tensor]]]:
     host: dict[str, list[torch.Tensor]] = {}
-    token = _PLAN.set((device, host))
+    token = _PLAN.set((device, host, []))  # the list: bytes noted on disk (note_disk_memory)
     try:
         yield host
     finally:
@@ -146,8 +159,9 @@ def estimate(
 
     Returns the :class:`Timeline` of the last step; ``timeline.meta`` holds the settings, the parameter count,
     ``host_bytes`` (category -> bytes the optimizations keep in host memory, off a ``"cuda"`` peak: an
-    offloaded EMA's shadows, the most offloaded checkpoint inputs alive at once as ``"activation"``) and the
-    seconds the estimate took.
+    offloaded EMA's shadows, the most offloaded checkpoint inputs alive at once as ``"activation"``, offloaded
+    weights as ``"parameter"``), ``disk_bytes`` (weights ``Offload(to="disk")`` keeps on disk) and the seconds
+    the estimate took.
 
     Example:
         >>> tl = memkit.estimate("flux", dtype=torch.bfloat16, optimizations=[memkit.Checkpointing()])
@@ -188,6 +202,7 @@ def estimate(
     n = step.steps
     bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
     with bar, FakeTensorMode(), _default_dtype(dtype), _planning(device) as host:
+        disk = _PLAN.get()[2]
         bar.set_postfix_str("building the model")
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
@@ -231,6 +246,7 @@ def estimate(
         optimizations=[str(o) for o in optimizations],
         parameters=params,
         host_bytes=host_bytes,
+        disk_bytes=sum(disk),
         checkpoint_plans=[str(p) for p in plans],
         seconds=time.perf_counter() - t0,
     )

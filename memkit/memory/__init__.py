@@ -26,6 +26,9 @@ _EXPORTS = {
     "SnapshotError": ".snapshot",
     "load_snapshot": ".snapshot",
     "read_snapshot": ".snapshot",
+    "RSSSamples": ".rss",
+    "rss_bytes": ".rss",
+    "sample_rss": ".rss",
     "write_snapshot": ".snapshot_write",
     "Tracker": ".tracker",
     "current_timeline": ".tracker",
@@ -42,6 +45,7 @@ __all__ = [
     "CudaHistory",
     "CudaHistoryError",
     "PHASES",
+    "RSSSamples",
     "SnapshotError",
     "Timeline",
     "Tracker",
@@ -54,6 +58,8 @@ __all__ = [
     "phase",
     "read_snapshot",
     "record_cuda_history",
+    "rss_bytes",
+    "sample_rss",
     "tag",
     "track",
     "tracking",
@@ -63,6 +69,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .allocator import AllocatorWindow, allocator_window
     from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
+    from .rss import RSSSamples, rss_bytes, sample_rss
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
     from .tracker import Tracker, current_timeline, off_device, phase, tag, track, tracking

@@ -169,3 +169,19 @@ register(
         panel=("mode", "foreach", "update_every", "decay", "dtype"),
     )
 )
+
+from .offload import Offload  # noqa: E402
+
+register(
+    Spec(
+        name="offload",
+        config=Offload,
+        summary="keep the weights on disk ('disk', a safetensors file per group) or in CPU memory ('cpu', for a "
+        "model on CUDA) except the groups in use and those prefetched: block weights drop to ~(1 + prefetch)/N of "
+        "N blocks, for one read of every group per forward (and backward); the optimizer step onloads all",
+        metavar="TO[:GROUP][:blocks=N][:prefetch=N]",
+        choices=("disk", "cpu", "disk:leaf", "disk:prefetch=0", "disk:blocks=2"),
+        report=("disk",),
+        panel=("to", "group", "blocks_per_group", "prefetch"),
+    )
+)

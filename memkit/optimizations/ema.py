@@ -32,6 +32,7 @@ import torch
 
 from ..handle import Handle
 from ..memory.tracker import phase
+from .offload import onloaded
 
 __all__ = ["EMA", "EMAState", "diffusers_check"]
 
@@ -240,7 +241,8 @@ class EMAState:
                 names = set(self.names)
                 self._buffers = {n: b for n, b in parameters.state_dict(keep_vars=True).items() if n not in names}
             parameters = parameters.parameters()
-        params = [p.detach() for p in parameters]
+        originals = list(parameters)
+        params = [p.detach() for p in originals]
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(
@@ -260,8 +262,10 @@ class EMAState:
                 f"EMA mode={cfg.mode!r}: shadows in CPU memory, unpinned"
                 + (" (parameters are on the CPU already)" if self.device.type == "cpu" else " (pinning needs CUDA)")
             )
-        with torch.no_grad():
-            self.shadow_params: list[torch.Tensor] = [self._shadow_of(p, host and not planned) for p in params]
+        with torch.no_grad(), onloaded(originals):  # an offloaded model's real weights, not its placeholders
+            self.shadow_params: list[torch.Tensor] = [
+                self._shadow_of(p.detach(), host and not planned) for p in originals
+            ]
         if host and estimation is not None:
             estimation.note_host_memory("ema", self.shadow_params)
         self.optimization_step = 0
@@ -317,7 +321,7 @@ class EMAState:
         params = self._params(parameters)
         decay = self.get_decay(self.optimization_step)
         self.cur_decay_value = decay = decay**n
-        with phase("ema"):
+        with phase("ema"), onloaded(params):
             _lerp(self.shadow_params, params, 1.0 - decay, self._compute_device(), self.config, self._pin, self._stream)
         return True
 
@@ -341,8 +345,9 @@ class EMAState:
             >>> ema.copy_to(model); model.save_pretrained("out/ema-weights")
         """
         params = self._params(parameters)
-        for p, s in zip(params, self.shadow_params, strict=True):
-            p.data.copy_(s, non_blocking=self._pin)
+        with onloaded(params, writes=True):
+            for p, s in zip(params, self.shadow_params, strict=True):
+                p.data.copy_(s, non_blocking=self._pin)
 
     @torch.no_grad()
     def store(self, parameters: torch.nn.Module | Iterable[torch.Tensor]) -> None:

@@ -1,0 +1,478 @@
+"""memkit.Offload: the same outputs, gradients and updates as the model in memory, real state_dict values while
+offloaded, exact restore, safe files, and its place in the registry, estimate and CLI."""
+
+import copy
+import errno
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import memkit
+from memkit.optimizations import _offload_store as store_mod
+from memkit.optimizations import offload as offload_mod
+from memkit.optimizations.offload import Offload, OffloadError, onloaded
+from memkit.presets import PRESETS
+from memkit.step import Step, model_output
+
+TOL = 1e-6
+
+
+@pytest.fixture
+def cpu_moves(monkeypatch):
+    """Run to="cpu" on the CPU through the copying path CUDA takes (else it is a no-op here)."""
+    monkeypatch.setattr(offload_mod, "_CPU_MOVES", True)
+
+
+def _pair(preset: str, seed: int = 0):
+    ref = memkit.load_model(preset, seed=seed)
+    return ref, copy.deepcopy(ref), memkit.make_inputs(ref, seed=seed)
+
+
+def _max_diff(xs, ys) -> float:
+    return max(((x - y).abs().max().item() for x, y in zip(xs, ys, strict=True) if x.numel()), default=0.0)
+
+
+def _run(net, inputs):
+    """The output, with the same random numbers on every call (DiT's label dropout draws some in train mode)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return model_output(net(**inputs))
+
+
+def _assert_same_training(ref, model, inputs, steps: int = 3, lr: float = 1e-2):
+    """Inference output, then ``steps`` training steps (forward, backward, AdamW step) equal to ``TOL``."""
+    with torch.no_grad():
+        assert _max_diff([_run(ref, inputs)], [_run(model, inputs)]) <= TOL
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt_m = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        outs = []
+        for net in (ref, model):
+            out = _run(net, inputs)
+            outs.append(out.detach().clone())
+            out.float().pow(2).mean().backward()
+        assert _max_diff(*[[o] for o in outs]) <= TOL
+        grads = [[p.grad for p in net.parameters()] for net in (ref, model)]
+        assert all(g is not None for g in grads[1]) and _max_diff(*grads) <= TOL
+        opt_r.step(), opt_m.step()
+        opt_r.zero_grad(), opt_m.zero_grad()
+    with torch.no_grad():  # the updates were written back: a fresh forward reads them from the store
+        model(**inputs)
+        assert _max_diff([_run(ref, inputs)], [_run(model, inputs)]) <= TOL
+    ref_state, state = ref.state_dict(), model.state_dict()
+    assert _max_diff(list(ref_state.values()), [state[k] for k in ref_state]) <= TOL
+
+
+@pytest.mark.parametrize("group", ["block", "leaf"])
+@pytest.mark.parametrize("to", ["disk", "cpu"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_outputs_and_three_training_steps_equal_the_model_in_memory(preset, to, group, cpu_moves, tmp_path):
+    ref, model, inputs = _pair(preset)
+    with Offload(to=to, group=group, path=tmp_path if to == "disk" else None).apply(model) as handle:
+        assert handle.offloader.groups, "nothing was offloaded"
+        _assert_same_training(ref, model, inputs)
+        assert handle.offloader.loads > len(handle.offloader.groups)  # groups really came and went
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("preset", ["unet", "flux"])
+def test_prefetch_depths_give_the_same_training(preset, prefetch, tmp_path):
+    ref, model, inputs = _pair(preset)
+    with Offload(to="disk", prefetch=prefetch, path=tmp_path).apply(model) as handle:
+        _assert_same_training(ref, model, inputs, steps=2)
+        groups = handle.offloader.groups
+        assert sum(g.real is not None for g in groups) == 0  # inference leaves none behind
+        memkit.train_step(model, inputs, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert all(g.real is not None for g in groups)  # after an optimizer step: all, until the next forward
+
+
+def test_training_keeps_only_the_groups_in_use():
+    """Saved views of offloaded weights must not hold their storage: the parameter bytes of a tracked training
+    step (no optimizer) stay far below the model's."""
+    model = memkit.load_model("unet")
+    inputs = memkit.make_inputs(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    with Offload(to="disk", prefetch=1).apply(model) as handle:
+        memkit.train_step(model, inputs)  # learns the order
+        model.zero_grad(set_to_none=True)
+        biggest = max(g.nbytes for g in handle.offloader.groups)
+        with memkit.track(model, inputs=inputs) as tl:
+            memkit.train_step(model, inputs)
+    peak_params = max(tl.peak_by_category().get("parameter", 0), 0)
+    resident = total - sum(g.nbytes for g in handle.offloader.groups)
+    assert peak_params <= resident + 4 * biggest < total
+
+
+@pytest.mark.parametrize("to", ["disk", "cpu"])
+def test_state_dict_has_real_values_while_offloaded_and_load_state_dict_writes_back(to, cpu_moves):
+    ref, model, inputs = _pair("flux")
+    other = memkit.load_model("flux", seed=1).state_dict()
+    with Offload(to=to).apply(model) as handle:
+        assert all(g.real is None for g in handle.offloader.groups)
+        state = model.state_dict()
+        assert state.keys() == ref.state_dict().keys()
+        for k, v in ref.state_dict().items():
+            assert torch.equal(state[k], v), k
+        model.load_state_dict(other)
+        with torch.no_grad():
+            model(**inputs)  # offloads (writing back) and onloads again
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in other.items())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in other.items())
+
+
+def test_remove_restores_bit_for_bit_the_same_parameters_and_deletes_the_files(tmp_path):
+    ref, model, inputs = _pair("pixart")
+    params = {n: p for n, p in model.named_parameters()}
+    handle = Offload(to="disk", path=tmp_path).apply(model)
+    folder = handle.folder
+    assert folder.startswith(str(tmp_path)) and len(os.listdir(folder)) == len(handle.offloader.groups)
+    memkit.train_step(model, inputs)
+    handle.remove()
+    assert not os.path.exists(folder) and os.listdir(tmp_path) == []
+    assert {n: p for n, p in model.named_parameters()} == params  # same objects
+    assert all(a is b for a, b in zip(params.values(), model.parameters(), strict=True))
+    for (k, v), (k2, v2) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(v, v2) and v2.is_contiguous() == v.is_contiguous()
+    with torch.no_grad():
+        assert torch.equal(_run(ref, inputs), _run(model, inputs))
+    handle.remove()  # twice: harmless
+
+
+def test_files_are_safetensors_with_the_weights(tmp_path):
+    from safetensors import safe_open
+
+    ref, model, _ = _pair("dit")
+    with Offload(to="disk", path=tmp_path).apply(model) as handle:
+        names = dict(ref.named_parameters())
+        seen = 0
+        for g in handle.offloader.groups:
+            with safe_open(handle.offloader.store.files[g.gid], "pt") as f:
+                for key in f.keys():
+                    assert torch.equal(f.get_tensor(key), names[key].detach())
+                    seen += 1
+        assert seen == sum(len(g.params) for g in handle.offloader.groups)
+
+
+def test_two_models_never_share_files_even_given_one_folder(tmp_path):
+    a, b = memkit.load_model("wan", seed=0), memkit.load_model("wan", seed=1)
+    inputs = memkit.make_inputs(a)
+    with torch.no_grad():
+        want_a, want_b = model_output(a(**inputs)), model_output(b(**inputs))
+    with Offload(to="disk", path=tmp_path).apply(a) as ha, Offload(to="disk", path=tmp_path).apply(b) as hb:
+        assert ha.folder != hb.folder and os.path.dirname(ha.folder) == os.path.dirname(hb.folder) == str(tmp_path)
+        with torch.no_grad():
+            assert torch.equal(model_output(a(**inputs)), want_a)
+            assert torch.equal(model_output(b(**inputs)), want_b)
+    with pytest.raises(ValueError, match="offloaded already"):
+        with Offload(to="disk").apply(a):
+            Offload(to="disk").apply(a)
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC once ``room`` bytes are written."""
+
+    def __init__(self, path, mode, room):
+        self.f, self.room = open(path, mode), room
+
+    def write(self, data):
+        n = len(memoryview(data).cast("B"))
+        if n > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= n
+        return self.f.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _fill_disk(monkeypatch, room: int) -> None:
+    def fake_open(path, mode="r", *args, **kwargs):
+        return _FullDisk(path, mode, room) if "w" in mode else open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(store_mod, "open", fake_open, raising=False)
+
+
+def test_disk_full_on_apply_raises_a_clear_error_and_leaves_the_model_unchanged(monkeypatch, tmp_path):
+    ref, model, inputs = _pair("flux")
+    _fill_disk(monkeypatch, room=1000)
+    with pytest.raises(OffloadError, match="No space left on device.*stay in memory") as info:
+        Offload(to="disk", path=tmp_path).apply(model)
+    assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
+    assert os.listdir(tmp_path) == []  # no half-written files, no folder
+    monkeypatch.undo()
+    for (k, v), v2 in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(v, v2), k
+    _assert_same_training(ref, model, inputs, steps=1)
+    assert not model._forward_pre_hooks
+
+
+def test_disk_full_on_write_back_keeps_the_weights_in_memory_and_usable(monkeypatch, tmp_path):
+    ref, model, inputs = _pair("flux")
+    with Offload(to="disk", path=tmp_path).apply(model) as handle:
+        opt_r, opt_m = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model))
+        for net, opt in ((ref, opt_r), (model, opt_m)):
+            model_output(net(**inputs)).float().pow(2).mean().backward()
+            opt.step()
+        _fill_disk(monkeypatch, room=0)
+        with pytest.raises(OffloadError, match="No space left"):
+            with torch.no_grad():
+                model(**inputs)  # the forward offloads the updated groups: the write-back fails
+        assert any(g.real is not None for g in handle.offloader.groups)  # kept in memory, not lost
+        monkeypatch.undo()
+        with torch.no_grad():
+            assert _max_diff([_run(ref, inputs)], [_run(model, inputs)]) <= TOL
+
+
+def test_read_only_folder_raises_a_clear_error_and_leaves_the_model_unchanged(tmp_path):
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        pytest.skip("running as root: chmod 0o500 does not stop root from writing")
+    ref, model, _ = _pair("dit")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(OffloadError, match="locked.*model is unchanged"):
+            Offload(to="disk", path=locked).apply(model)
+    finally:
+        locked.chmod(0o700)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "dtype"])
+def test_a_damaged_file_gives_a_clear_error_on_load(damage, tmp_path):
+    _, model, inputs = _pair("dit")
+    with Offload(to="disk", path=tmp_path, prefetch=0).apply(model) as handle:
+        path = handle.offloader.store.files[0]
+        raw = good = open(path, "rb").read()
+        n = int.from_bytes(raw[:8], "little")
+        if damage == "truncate":
+            raw = raw[: len(raw) - 7]
+        elif damage == "header":
+            raw = raw[:8] + b"x" + raw[9:]
+        else:
+            header = raw[8 : 8 + n].replace(b'"F32"', b'"I32"', 1)  # same length, another dtype
+            assert header != raw[8 : 8 + n]
+            raw = raw[:8] + header + raw[8 + n :]
+        open(path, "wb").write(raw)
+        with pytest.raises(OffloadError, match=r"(truncated|corrupt)") as info:
+            with torch.no_grad():
+                model(**inputs)
+        assert path in str(info.value)
+        assert handle.offloader.groups[0].real is None  # not half-onloaded
+        open(path, "wb").write(good)  # repaired: the model works again
+        with torch.no_grad():
+            model(**inputs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"to": "gpu"}, r"to must be one of \['cpu', 'disk'\], got 'gpu'"),
+        ({"group": "layer"}, r"group must be one of \['block', 'leaf'\], got 'layer'"),
+        ({"blocks_per_group": 0}, r"blocks_per_group must be an int >= 1, got 0"),
+        ({"blocks_per_group": True}, r"blocks_per_group must be an int >= 1, got True"),
+        ({"prefetch": -1}, r"prefetch must be an int >= 0, got -1"),
+        ({"to": "cpu", "path": "/tmp"}, r"path is only used with to='disk'"),
+        ({"to": "disk", "path": 3}, r"path must be a folder"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_the_allowed_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Offload(**kwargs)
+
+
+def test_parse_and_str_round_trip_and_refuse_bad_values():
+    for text in ("disk", "cpu", "disk:leaf", "disk:blocks=2:prefetch=0"):
+        config = Offload.parse(text)
+        assert str(config) == f"offload:{text}" and Offload.parse(str(config).split(":", 1)[1]) == config
+    assert Offload.parse("disk:leaf:prefetch=2") == Offload(to="disk", group="leaf", prefetch=2)
+    with pytest.raises(ValueError, match=r"TO\[:GROUP\]"):
+        Offload.parse("disk:sometimes")
+    with pytest.raises(ValueError, match="to must be one of"):
+        Offload.parse("tape")
+
+
+def test_to_cpu_on_a_cpu_model_says_it_moves_nothing():
+    offload_mod._warned.clear()
+    ref, model, inputs = _pair("dit")
+    with pytest.warns(UserWarning, match="nothing moves"):
+        handle = Offload(to="cpu").apply(model)
+    assert not hasattr(handle, "offloader")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Offload(to="cpu").apply(model):  # said once
+            _assert_same_training(ref, model, inputs, steps=1)
+
+
+def test_ema_reads_the_real_weights_of_an_offloaded_model():
+    ref, model, inputs = _pair("flux")
+    results = []
+    for net, offload in ((ref, False), (model, True)):
+        ema = memkit.EMA(decay=0.5).apply(net)
+        off = Offload(to="disk").apply(net) if offload else None
+        runner = Step(optimizer="sgd").bind(net, ema)
+        for _ in range(2):
+            runner.run(inputs)
+        with torch.no_grad():
+            net(**inputs)  # offloaded again: copy_to must write back
+        shadows = [s.clone() for s in ema.ema.shadow_params]
+        ema.ema.copy_to(net)
+        with torch.no_grad():
+            net(**inputs)
+            results.append((shadows, model_output(net(**inputs)).clone()))
+        if off is not None:
+            off.remove()
+        ema.remove()
+    assert _max_diff(results[0][0], results[1][0]) <= TOL
+    assert _max_diff([results[0][1]], [results[1][1]]) <= TOL
+
+
+def test_onloaded_gives_real_values_and_offloads_again():
+    ref, model, _ = _pair("dit")
+    with Offload(to="disk").apply(model) as handle:
+        with onloaded(model):
+            assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters(), strict=True))
+        assert all(g.real is None for g in handle.offloader.groups)
+
+
+def test_diffusers_harness_reports_diffusers_disk_failures_and_memkit_passes():
+    pytest.importorskip("accelerate", reason="diffusers' group offloading needs accelerate")
+    from memkit.optimizations.offload_check import diffusers_check, table
+
+    rows = {r.variant: r for r in diffusers_check("wan")}
+    assert rows["memkit-disk"].passed and rows["memkit-disk-reused"].passed
+    assert rows["diffusers-memory"].passed
+    disk = rows["diffusers-disk"]
+    assert not disk.passed and disk.d_grad > TOL and disk.d_state_dict > 1e-3  # gradients from garbage weights
+    assert rows["diffusers-disk-reused"].d_output > 1e-3  # the first model's files
+    assert "FAIL" in table(rows.values()) and table([rows["memkit-disk"]]).count("pass") == 1
+
+
+def _param_peak(tl) -> int:
+    return tl.peak_by_category().get("parameter", 0)
+
+
+@pytest.mark.parametrize("to", ["cpu", "disk"])
+def test_estimate_for_cuda_counts_only_the_groups_on_the_device(to):
+    kwargs = dict(size="tiny", mode="inference", device="cuda")
+    plain = memkit.estimate("unet", **kwargs)
+    tl = memkit.estimate("unet", optimizations=[Offload(to=to, prefetch=0)], **kwargs)
+    model = memkit.load_model("unet")
+    groups = offload_mod.Offload(to="disk")._groups(model)
+    offloaded = sum(g.nbytes for g in groups)
+    biggest = max(g.nbytes for g in groups)
+    assert _param_peak(plain) >= sum(p.numel() * p.element_size() for p in model.parameters())
+    assert _param_peak(tl) <= _param_peak(plain) - offloaded + 2 * biggest + 8 * 512
+    assert _param_peak(tl) < _param_peak(plain)
+    if to == "cpu":
+        assert tl.meta["host_bytes"]["parameter"] == offloaded and tl.meta["disk_bytes"] == 0
+    else:
+        assert tl.meta["disk_bytes"] == offloaded and "parameter" not in tl.meta["host_bytes"]
+
+
+def test_cli_offload_flag_runs_the_estimate(capsys):
+    from memkit.cli import main
+
+    argv = ["estimate", "pixart", "--size", "tiny", "--device", "cuda", "--inference", "--offload", "disk"]
+    code = main([*argv, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    plain = memkit.estimate("pixart", size="tiny", mode="inference", device="cuda", dtype=torch.bfloat16)
+    assert result["peak_by_category"]["parameter"] < plain.peak_by_category()["parameter"]
+    assert "offload:disk" in json.dumps(result)
+
+
+def test_compare_with_an_optimizer_passes_the_correctness_column():
+    cmp = memkit.compare(
+        "dit",
+        {"offload": [Offload(to="disk")], "leaf": [Offload(to="disk", group="leaf", prefetch=2)]},
+        step=Step(optimizer="adamw", steps=3),
+        repeats=0,
+        progress=False,
+    )
+    for name in ("offload", "leaf"):
+        r = cmp.results[name]
+        assert r.passed and r.max_abs_d_param <= TOL and r.max_abs_d_grad <= TOL, name
+
+
+def test_compare_without_an_optimizer_reads_real_weights_and_shows_the_saving():
+    cmp = memkit.compare(
+        "unet", {"disk": [Offload(to="disk", prefetch=0)]}, step=Step(steps=2), repeats=0, progress=False
+    )
+    r, base = cmp.results["disk"], cmp.results["baseline"]
+    assert r.passed and r.max_abs_d_param == 0.0  # the weights compared after the step are real, not placeholders
+    assert _param_peak(r.timeline) < 0.5 * _param_peak(base.timeline)
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda: logs what the prefetch path asks of streams and events."""
+
+    def __init__(self):
+        self.log = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = "side"
+
+            def wait_event(self, event):
+                fake.log.append(("wait", self.name, event))
+
+        class Event:
+            def record(self, stream):
+                fake.log.append(("record", stream.name))
+
+        self.Stream, self.Event = Stream, Event
+        self.current = Stream()
+        self.current.name = "compute"
+        self.active = None
+
+    def stream(self, s):
+        fake = self
+
+        class Ctx:
+            def __enter__(self):
+                fake.active = s.name
+                fake.log.append(("enter", s.name))
+
+            def __exit__(self, *exc):
+                fake.active = None
+                fake.log.append(("exit", s.name))
+
+        return Ctx()
+
+    def current_stream(self, device=None):
+        return self.current
+
+
+def test_cuda_prefetch_copies_on_a_side_stream_and_the_compute_stream_waits(monkeypatch):
+    """The logic of the CUDA path, on CPU tensors: copies inside the side stream, an event after them, and the
+    compute stream waiting on that event (and recording the tensors) before the weights are handed out."""
+    fake = _FakeCuda()
+    copies = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        copies.append((fake.active, kwargs.get("non_blocking")))
+        return real_to(self, *args, **kwargs)
+
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append(s.name), raising=False)
+    store = store_mod.HostStore(torch.device("cpu"))
+    store.streams = store_mod.CudaStreams(fake, torch.device("cpu"))
+    weights = [torch.randn(3, 4), torch.randn(5)]
+    store.save(0, ["a", "b"], weights)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    pending = store.prefetch(0)
+    assert copies == [("side", True), ("side", True)]
+    assert [e[0] for e in fake.log] == ["enter", "record", "exit"] and fake.log[1][1] == "side"
+    out = pending.result()
+    assert fake.log[-1][:2] == ("wait", "compute") and recorded == ["compute", "compute"]
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(out, weights, strict=True))
