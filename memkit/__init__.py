@@ -50,6 +50,7 @@ _EXPORTS = {
     "Variant": ".comparison",
     "VariantResult": ".comparison",
     "estimate": ".estimation",
+    "FSDP": ".parallel",
     "Playground": ".widgets.app",
 }
 _SUBMODULES = (
@@ -62,6 +63,7 @@ _SUBMODULES = (
     "handle",
     "comparison",
     "estimation",
+    "parallel",
     "widgets",
 )
 
@@ -72,6 +74,7 @@ __all__ = [
     "Comparison",
     "EMA",
     "FFSplit",
+    "FSDP",
     "Handle",
     "Optimization",
     "PHASES",
@@ -88,6 +91,7 @@ __all__ = [
     "make_inputs",
     "memory",
     "optimizations",
+    "parallel",
     "plan_checkpointing",
     "plots",
     "track",
@@ -96,7 +100,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from . import memory, optimizations, plots, widgets
+    from . import memory, optimizations, parallel, plots, widgets
     from .comparison import Comparison, Variant, VariantResult, compare
     from .estimation import estimate
     from .handle import Handle, Optimization
@@ -108,6 +112,7 @@ if TYPE_CHECKING:
     from .optimizations.checkpoint_plan import CheckpointPlan, plan_checkpointing
     from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
+    from .parallel import FSDP
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
     from .widgets.app import Playground
