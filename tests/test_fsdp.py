@@ -323,3 +323,26 @@ def test_agrees_with_torch_fsdp_mem_tracker(n):
     rest = ours["activation"] + ours["temporary"] + (0 if n > 1 else ours["collective"])
     assert abs(rest - (theirs.get("ACT", 0) + theirs.get("TEMP", 0))) <= 1024
     assert abs(tl.peak_bytes - theirs["Total"]) <= 1024
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_the_local_shard_optimizer_is_the_dtensor_optimizer_byte_for_byte(n):
+    # An estimate steps the optimizer on the local shards (DTensor's foreach dispatch is O(N^2) in torch 2.13);
+    # the real run below steps torch's AdamW on the DTensors, foreach as on CUDA: the same timeline.
+    step = Step(optimizer="adamw", steps=2, foreach=True)
+    fake = memkit.estimate(PRESET, size="tiny", step=step, parallel=memkit.FSDP(world_size=n))
+    model = _tiny()
+    inputs = memkit.make_inputs(model)
+    with memkit.FSDP(world_size=n).apply(model) as handle:
+        runner = step.bind(model, handle)
+        assert all(
+            isinstance(p, torch.distributed.tensor.DTensor) for g in runner.optimizer.param_groups for p in g["params"]
+        )
+        runner.run(inputs)
+        with track(inputs=inputs, **runner.tracked_objects()) as real:
+            runner.run(inputs)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.peak_by_category() == real.peak_by_category()
+    assert len(fake) == len(real)
+    optimizer = real.to_pandas().query("phase == 'optimizer'")
+    assert optimizer["op"].str.contains("_foreach_").any()  # the foreach path ran
