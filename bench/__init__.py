@@ -32,6 +32,7 @@ BENCHMARKS: tuple[str, ...] = (
     "ema",
     "feedforward",
     "checkpointing",
+    "fsdp",
 )
 """Benchmark module names, in run order."""
 
