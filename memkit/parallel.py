@@ -3,8 +3,8 @@
 ``memkit.FSDP(world_size=8)`` shards the model with ``torch.distributed.fsdp.fully_shard`` (each transformer
 block, then the root) over a *fake* process group: collectives do nothing, every rank's shapes are real. On
 fake tensors (``memkit.estimate(..., parallel=memkit.FSDP(...))``) that is the per-GPU timeline of a full-size
-model in seconds; on real tensors (``compare``/``track`` with ``FSDP`` among the optimizations) the same step
-runs for real on CPU, so an estimate is checkable against real storages. Values are rank 0's shard; the
+model in seconds; on real tensors (``FSDP(...).apply(model)``, then ``memkit.Step`` under ``memkit.track``) the
+same step runs for real on CPU, so an estimate is checkable against real storages. Values are rank 0's shard; the
 other ranks' data is never there, so outputs and gradients are not those of the unsharded model (memory is).
 
 What the categories mean under FSDP2 (see ``memkit/memory/fsdp.py`` for how the tracker knows them):
@@ -72,14 +72,16 @@ class FSDP:
     activations: those are per-GPU already (checkpointing cuts them). At ``world_size=1`` it only adds the
     unsharded copies and buffers: use it to see the layout, not to save memory.
 
-    In :func:`memkit.estimate` pass it as ``parallel=``; in ``compare`` (real tensors) put it among the
-    optimizations, after checkpointing and the FF split (they change the blocks FSDP wraps) and before an EMA
-    (whose shadows then live on the shards).
+    In :func:`memkit.estimate` pass it as ``parallel=``; on real tensors apply it after checkpointing and the FF
+    split (they change the blocks FSDP wraps) and before an EMA (whose shadows then live on the shards):
+    :func:`sharded_order` does that. ``compare`` does not take it: rank 0 holds only its shard of the values,
+    so outputs and gradients cannot be compared with the unsharded model's.
 
     Example:
         >>> tl = memkit.estimate("flux", optimizer="adamw", parallel=memkit.FSDP(world_size=8))
         >>> tl.peak_by_category()["parameter"]          # rank 0's shard of the weights
-        >>> memkit.compare(model, inputs, {"fsdp": [memkit.FSDP(world_size=2)]})
+        >>> with memkit.FSDP(world_size=2).apply(model) as h, memkit.track(model) as real:
+        ...     memkit.Step().bind(model, h).run(inputs)          # the same, for real on CPU
     """
 
     world_size: int = 8
