@@ -20,6 +20,7 @@ ops (they allocate nothing; under an estimate's fake mode they would look like r
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -78,10 +79,13 @@ def instrument(on: bool) -> None:
         return
     if _saved:
         return
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError as e:  # another torch: tracking still works, FSDP's storages keep phase-based categories
+        warnings.warn(f"memkit: FSDP2's buffers cannot be categorized with this torch ({e})", stacklevel=2)
+        return
     targets = [
         (FSDPParamGroup, "wait_for_unshard", _wrap_wait_for_unshard),
         (ShardingPropagator, "_propagate_tensor_meta_non_cached", _wrap_shape_propagation),
@@ -91,6 +95,8 @@ def instrument(on: bool) -> None:
         if cls is not None and "allocate" in vars(cls):
             targets.append((cls, "allocate", _wrap_allocate))
     for cls, name, wrap in targets:
-        original = vars(cls)[name]
+        original = vars(cls).get(name)
+        if original is None:
+            continue
         _saved.append((cls, name, original))
         setattr(cls, name, wrap(original))

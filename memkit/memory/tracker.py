@@ -76,7 +76,7 @@ def _watch_outside_dispatch(on: bool) -> None:
         if dtensor is not None:  # no DTensor (nor FSDP module) can exist unless torch.distributed.tensor is imported
             from . import fsdp
 
-            fsdp.instrument(True)
+            fsdp.instrument(True)  # a torch without these FSDP2 internals: a warning, and FSDP's buffers uncategorized
     elif not on and _get_rng_state is not None:
         torch.get_rng_state, _get_rng_state = _get_rng_state, None
         torch.UntypedStorage.resize_, _storage_resize = _storage_resize, None
@@ -138,7 +138,7 @@ class _Mode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTENSOR and any(issubclass(t, _DTENSOR) for t in types):
+        if _DTENSOR and _DTENSOR[0] in types:
             # Let DTensor desugar into ops on its local shards, which come back here: they are the allocations.
             return NotImplemented
         kwargs = kwargs or {}
@@ -314,7 +314,7 @@ class Tracker:
         self._new_storage(t, category, phase, self.log.ops(name))
 
     def _new_storage(self, t: torch.Tensor, category: int, phase: int, op: int) -> None:
-        if _DTENSOR and is_traceable_wrapper_subclass(t):
+        if _DTENSOR and isinstance(t, _DTENSOR):
             for inner in _plain(t):
                 self._new_storage(inner, category, phase, op)
             return
