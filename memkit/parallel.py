@@ -42,6 +42,7 @@ def fake_process_group(world_size: int) -> Iterator[Any]:
         ...     fully_shard(model, mesh=mesh)
     """
     import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.distributed.device_mesh import init_device_mesh
 
     started = False

@@ -319,7 +319,7 @@ def test_agrees_with_torch_fsdp_mem_tracker(n):
     assert tl.end_bytes == end["Total"]
     if n > 1:  # FSDPMemTracker names buffers by the collective they feed; at N=1 FSDP issues none (its TEMP)
         assert ours["collective"] == theirs.get("ALL_GATHER", 0) + theirs.get("REDUCE_SCATTER", 0)
-    # the transient rest: within 1 KiB (FSDPMemTracker keeps some 0-dim tensors memkit sees freed, see README)
+    # the transient rest: within 1 KiB (at N = 2 FSDPMemTracker's ACT + TEMP is 512 bytes more, not yet attributed)
     rest = ours["activation"] + ours["temporary"] + (0 if n > 1 else ours["collective"])
     assert abs(rest - (theirs.get("ACT", 0) + theirs.get("TEMP", 0))) <= 1024
     assert abs(tl.peak_bytes - theirs["Total"]) <= 1024
@@ -346,3 +346,28 @@ def test_the_local_shard_optimizer_is_the_dtensor_optimizer_byte_for_byte(n):
     assert len(fake) == len(real)
     optimizer = real.to_pandas().query("phase == 'optimizer'")
     assert optimizer["op"].str.contains("_foreach_").any()  # the foreach path ran
+
+
+# ---- what the tracker learned for FSDP, on its own -------------------------------------------------------------
+def test_a_storage_resized_in_place_is_a_free_then_an_allocation_in_its_category():
+    x = torch.zeros(1000)
+    with track(inputs={"x": x}) as tl:
+        x.untyped_storage().resize_(0)  # how FSDP frees an unsharded parameter
+        x.untyped_storage().resize_(4000)  # and gathers it again
+    live = tl.live_by_category()["input"]
+    assert tl.baseline_by_category["input"] == 4000
+    assert list(live) == [0, 4000]  # one free, one allocation, both "input"
+
+
+def test_a_dtensor_counts_its_local_shard_and_its_ops_their_local_outputs():
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with memkit.parallel.fake_process_group(4) as mesh:
+        dt = distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])
+        with track(inputs={"dt": dt}) as tl:
+            y = dt * 2
+        assert tl.baseline_by_category["input"] == 16 * 8 * 4  # rank 0's 16 rows, not the global 64
+        allocated = tl.to_pandas().query("action == 'alloc'")["bytes"]
+        assert allocated.max() == 16 * 8 * 4  # the local product (beside it, at most the CPU kernel's scratch)
+        del y
+    assert not dist.is_initialized()
