@@ -371,3 +371,18 @@ def test_a_dtensor_counts_its_local_shard_and_its_ops_their_local_outputs():
         assert allocated.max() == 16 * 8 * 4  # the local product (beside it, at most the CPU kernel's scratch)
         del y
     assert not dist.is_initialized()
+
+
+def test_a_checkpointing_budget_is_planned_for_the_sharded_step():
+    fsdp = memkit.FSDP(world_size=2)
+
+    def peak(pattern: str) -> int:
+        ckpt = [memkit.Checkpointing(pattern=pattern)]
+        return memkit.estimate(PRESET, size="tiny", optimizations=ckpt, parallel=fsdp).peak_bytes
+
+    none, every = peak("none"), peak("all")
+    assert every < none
+    budget = (none + every) // 2
+    tl = memkit.estimate(PRESET, size="tiny", optimizations=[memkit.Checkpointing(budget_bytes=budget)], parallel=fsdp)
+    assert tl.peak_bytes <= budget and tl.meta["parallel"] == "fsdp:2"
+    assert tl.meta["checkpoint_plans"]
