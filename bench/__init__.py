@@ -34,6 +34,7 @@ BENCHMARKS: tuple[str, ...] = (
     "feedforward",
     "checkpointing",
     "offload",
+    "fsdp",
 )
 """Benchmark module names, in run order."""
 

@@ -52,6 +52,7 @@ _EXPORTS = {
     "Variant": ".comparison",
     "VariantResult": ".comparison",
     "estimate": ".estimation",
+    "FSDP": ".parallel",
     "Playground": ".widgets.app",
 }
 _SUBMODULES = (
@@ -64,6 +65,7 @@ _SUBMODULES = (
     "handle",
     "comparison",
     "estimation",
+    "parallel",
     "widgets",
 )
 
@@ -74,6 +76,7 @@ __all__ = [
     "Comparison",
     "EMA",
     "FFSplit",
+    "FSDP",
     "Handle",
     "Offload",
     "Optimization",
@@ -91,6 +94,7 @@ __all__ = [
     "make_inputs",
     "memory",
     "optimizations",
+    "parallel",
     "plan_checkpointing",
     "plots",
     "track",
@@ -99,7 +103,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from . import memory, optimizations, plots, widgets
+    from . import memory, optimizations, parallel, plots, widgets
     from .comparison import Comparison, Variant, VariantResult, compare
     from .estimation import estimate
     from .handle import Handle, Optimization
@@ -112,6 +116,7 @@ if TYPE_CHECKING:
     from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
     from .optimizations.offload import Offload
+    from .parallel import FSDP
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
     from .widgets.app import Playground

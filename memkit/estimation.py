@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from .memory.events import CUDA_BLOCK
 from .memory.timeline import Timeline
 from .memory.tracker import track
 from .models import _default_dtype, load_model, make_inputs
+from .parallel import FSDP, on_local_shards, sharded_order
 from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
@@ -132,6 +134,7 @@ def estimate(
     device: str = "cpu",
     seed: int = 0,
     progress: bool | None = None,
+    parallel: FSDP | None = None,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory timeline of one step without allocating real memory (fake tensors).
@@ -156,6 +159,9 @@ def estimate(
             rounding, drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA).
         progress: show a progress bar (build, then each step); None shows it for full-size presets, which
             take ~10–30 s.
+        parallel: a :class:`memkit.FSDP`: the timeline of rank 0 of a fully sharded run over its world size
+            (torch's FSDP2 on a fake process group, started for the estimate and ended after it unless one is
+            running). The optimizations are applied before the sharding, an EMA after it (on the shards).
 
     Returns the :class:`Timeline` of the last step; ``timeline.meta`` holds the settings, the parameter count,
     ``host_bytes`` (category -> bytes the optimizations keep in host memory, off a ``"cuda"`` peak: an
@@ -185,13 +191,17 @@ def estimate(
         raise TypeError(f"model must be a preset name or a callable returning a model, got {type(model).__name__}")
     if inputs is not None and not callable(inputs):
         raise TypeError("inputs must be a callable inputs(model) -> forward kwargs, or None")
+    if parallel is not None and not isinstance(parallel, FSDP):
+        raise TypeError(f"parallel must be a memkit.FSDP or None, got {type(parallel).__name__}")
+    if any(isinstance(o, FSDP) for o in optimizations):
+        raise ValueError("pass memkit.FSDP as parallel=..., not among the optimizations of an estimate")
 
     t0 = time.perf_counter()
     plans = []
     if any(getattr(o, "budget_bytes", None) is not None for o in optimizations):
         optimizations, plans = _plan_budgets(
             model_fn, inputs, optimizations, step=step, dtype=dtype, device=device, batch_size=batch_size,
-            seed=seed, **sizes,
+            seed=seed, parallel=parallel, **sizes,
         )  # fmt: skip
     cuda = device == "cuda"
     if step.foreach is None and cuda and step.optimizer is not None:  # torch's default on CUDA
@@ -201,15 +211,24 @@ def estimate(
     label = model if isinstance(model, str) else "model"
     n = step.steps
     bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
-    with bar, FakeTensorMode(), _default_dtype(dtype), _planning(device) as host:
+    # the mesh must exist before fake mode (built inside, it fails); the process group ends with the estimate
+    group = parallel.process_group() if parallel is not None else contextlib.nullcontext()
+    quiet = warnings.catch_warnings()
+    with bar, group as mesh, quiet, FakeTensorMode(), _default_dtype(dtype), _planning(device) as host:
+        # FSDP2 warns that diffusers' output is a view an in-place op would detach from its hooks: the step's loss
+        # is out of place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         disk = _PLAN.get()[2]
         bar.set_postfix_str("building the model")
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"model() must return a torch.nn.Module, got {type(net).__name__}")
-        with apply_all(net, optimizations) as handle:
+        applied = sharded_order(optimizations, parallel, mesh) if parallel is not None else optimizations
+        with apply_all(net, applied) as handle:
             kwargs = inputs(net) if inputs is not None else make_inputs(net, batch_size=batch_size, seed=seed, **sizes)
             runner = step.bind(net, handle)
+            if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
+                runner.optimizer = on_local_shards(runner.optimizer)
             bar.update()
             for i in range(n - 1):
                 bar.set_postfix_str(f"step {i + 1}/{n}")
@@ -244,6 +263,7 @@ def estimate(
         steps=step.steps,
         device=device,
         optimizations=[str(o) for o in optimizations],
+        parallel=str(parallel) if parallel is not None else None,
         parameters=params,
         host_bytes=host_bytes,
         disk_bytes=sum(disk),

@@ -31,10 +31,12 @@ __all__ = [
 
 CATEGORY_COLORS: dict[str, str] = {
     "parameter": "#4C78A8",
+    "unsharded_parameter": "#9ECAE9",
     "buffer": "#72B7B2",
     "gradient": "#F58518",
     "optimizer_state": "#E45756",
     "ema": "#B279A2",
+    "collective": "#FF9DA6",
     "activation": "#54A24B",
     "temporary": "#EECA3B",
     "input": "#9D755D",

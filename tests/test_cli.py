@@ -67,6 +67,24 @@ def test_estimate_json_peak_equals_the_library(capsys):
     assert (result["dtype"], result["optimizer"], result["device"]) == ("bfloat16", "adamw", "cpu")
 
 
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+def test_estimate_fsdp_is_the_library_s_parallel_estimate(capsys):
+    argv = ["estimate", "flux", "--size", "tiny", "--fsdp", "4", "--fsdp-param-dtype", "bf16", "--json"]
+    code, out, err = _run(capsys, *argv, "--dtype", "fp32")
+    assert code == 0, err
+    result = json.loads(out)
+    fsdp = memkit.FSDP(world_size=4, mixed_precision=torch.bfloat16)
+    timeline = memkit.estimate("flux", size="tiny", optimizer="adamw", device="cuda", parallel=fsdp)
+    assert result["parallel"] == "fsdp:4,bfloat16"
+    assert result["peak_bytes"] == timeline.peak_bytes
+    assert result["peak_by_category"] == timeline.peak_by_category()
+    argv = ["estimate", "flux", "--size", "tiny", "--fsdp", "2", "--fsdp-keep-unsharded", "--optimizer", "none"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    # no optimizer: the peak is in backward, where every block's gathered copy is still kept
+    assert "sharded: fsdp:2,keep-unsharded (FSDP2)" in out and "unsharded_parameter" in out
+
+
 def test_estimate_table_with_checkpointing_defaults_to_cuda(capsys):
     code, out, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--checkpointing", "all", "--unit", "B")
     assert code == 0, err
@@ -173,6 +191,8 @@ def test_checkpointing_auto_fits_a_budget(capsys):
         (["estimate", "flux", "--size", "tiny", "--height", "33"], "multiple of 16"),
         (["estimate", PRESET, "--inference", "--optimizer", "sgd"], "training only"),
         (["report", PRESET, "--size", "full"], "invalid choice"),
+        (["estimate", PRESET, "--fsdp", "0"], "--fsdp takes the number of GPUs"),
+        (["estimate", PRESET, "--fsdp-keep-unsharded"], "go with --fsdp N"),
     ],
 )
 def test_bad_input_exits_2(capsys, argv, message):

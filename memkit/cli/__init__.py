@@ -109,6 +109,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux                          # full Flux, bf16 AdamW training step, GiB\n"
         "  memkit estimate flux --checkpointing all      # the same with gradient checkpointing\n"
         "  memkit estimate ltx-video --checkpointing auto --budget 20GiB   # the fewest blocks that fit\n"
+        "  memkit estimate flux --fsdp 8                 # per GPU, sharded over 8 GPUs with FSDP2\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n\n" + _presets_epilog(),
         formatter_class=_Formatter,
@@ -161,6 +162,26 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with --checkpointing auto[@PROVIDER]: the peak to fit (e.g. 40GiB); memkit checkpoints the fewest "
         "blocks whose estimated peak fits (2 + log2(blocks) estimates)",
+    )
+    fsdp = p.add_argument_group("sharding (torch's FSDP2 on a fake process group: the memory of rank 0)")
+    fsdp.add_argument(
+        "--fsdp",
+        type=int,
+        metavar="N",
+        default=None,
+        help="shard parameters, gradients and optimizer state over N GPUs (fully_shard per block and the root)",
+    )
+    fsdp.add_argument(
+        "--fsdp-keep-unsharded",
+        action="store_true",
+        help="with --fsdp: keep each block's gathered parameters from forward to backward (reshard_after_forward="
+        "False: more memory, fewer all-gathers)",
+    )
+    fsdp.add_argument(
+        "--fsdp-param-dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="with --fsdp: gather and compute parameters in this dtype, reduce gradients in fp32 (mixed precision)",
     )
     p.add_argument("--unit", choices=tuple(UNITS), default="GiB", help="unit of the printed table")
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")

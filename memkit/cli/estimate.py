@@ -45,6 +45,19 @@ def _auto_checkpointing(args: argparse.Namespace) -> tuple[int, str] | None:
     return budget, provider
 
 
+def _parallel(args: argparse.Namespace) -> memkit.FSDP | None:
+    """``--fsdp N`` (with ``--fsdp-keep-unsharded``, ``--fsdp-param-dtype``) as a ``memkit.FSDP``, or None."""
+    n = getattr(args, "fsdp", None)
+    if n is None:
+        if getattr(args, "fsdp_keep_unsharded", False) or getattr(args, "fsdp_param_dtype", None):
+            raise CLIError("--fsdp-keep-unsharded and --fsdp-param-dtype go with --fsdp N")
+        return None
+    if n < 1:
+        raise CLIError(f"--fsdp takes the number of GPUs, an int >= 1, got {n}")
+    dtype = DTYPES[args.fsdp_param_dtype] if args.fsdp_param_dtype else None
+    return memkit.FSDP(world_size=n, reshard_after_forward=not args.fsdp_keep_unsharded, mixed_precision=dtype)
+
+
 def run(args: argparse.Namespace) -> int:
     """``memkit estimate``: a full-size step on fake tensors, printed as a table or JSON."""
     check_preset(args.preset)
@@ -65,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{flags} does not apply to {args.preset!r}; it takes {accepted}")
     check_writable(args.html)
     check_writable(args.png)
+    parallel = _parallel(args)
     settings = dict(
         mode=args.mode,
         dtype=DTYPES[args.dtype],
@@ -73,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         batch_size=args.batch_size,
         device=args.device,
+        parallel=parallel,
         **sizes,
     )
     plan = None
@@ -100,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "inputs": shape,
         "optimizations": [str(o) for o in optimizations],
+        "parallel": str(parallel) if parallel is not None else None,
         "parameters": meta["parameters"],
         "events": len(timeline),
         "baseline_bytes": timeline.baseline_bytes,
@@ -141,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
         f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}, "
         f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}, {inputs}"
     )
-    print(f"optimizations: {', '.join(result['optimizations']) or 'none'}\n")
+    print(f"optimizations: {', '.join(result['optimizations']) or 'none'}")
+    if parallel is not None:
+        print(f"sharded: {parallel} (FSDP2); the memory of one GPU, rank 0")
+    print()
     rows = [
         ("parameters", fmt_count(meta["parameters"])),
         (f"baseline ({args.unit})", f"{timeline.baseline_bytes / div:{num}}"),

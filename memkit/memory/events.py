@@ -14,10 +14,12 @@ import numpy as np
 
 CATEGORIES: tuple[str, ...] = (
     "parameter",
+    "unsharded_parameter",
     "buffer",
     "gradient",
     "optimizer_state",
     "ema",
+    "collective",
     "activation",
     "temporary",
     "input",
@@ -35,7 +37,13 @@ separate: it says what was running at each event (forward, backward, optimizer, 
 category         memkit (the tracker's rule)                              torch's ``MemTracker`` (nearest; difference)
 ================ ======================================================== =========================================
 parameter        the parameters of the model given to ``track()`` and of  ``Parameter``: the same bytes.
-                 every module its forward hooks see
+                 every module its forward hooks see; under FSDP2 the
+                 local shards of its DTensor parameters
+unsharded_parameter
+                 FSDP2: the full parameters all-gathered (or copied, at   ``FSDPMemTracker``'s ``UNSHARDED_PARAM``:
+                 world size 1) into the storages FSDP resizes from 0      the same bytes.
+                 bytes before a block's forward or backward and back
+                 to 0 after (see ``memory/fsdp.py``)
 buffer           those modules' buffers                                   ``Buffer``: the same bytes.
 gradient         a storage that ends in ``param.grad``, from its          ``Gradient``: the same storages, but moved
                  allocation (an out-of-place accumulation's result        from ``Temp`` only when the parameter's
@@ -51,6 +59,10 @@ optimizer_state  what survives in ``optimizer.state`` after the step     ``Optst
 ema              what ``memkit.memory.tag(..., "ema")`` names (EMA        none: ``Other`` if passed to
                  shadows), or ``owned`` gives as "ema"                    ``track_external``, else ``Activation``
                                                                           (or ``Optstate`` inside the step).
+collective       FSDP2: the buffers it allocates to communicate (all-     ``FSDPMemTracker``'s ``ALL_GATHER`` +
+                 gather output, reduce-scatter input), alive while in     ``REDUCE_SCATTER`` at world size > 1; at
+                 flight; its reduce-scatter output becomes the gradient   1 FSDP issues no collective and
+                 shards, so it is ``gradient``                            ``FSDPMemTracker`` counts them ``TEMP``.
 activation       allocated in the forward phase (inside a module's        ``Activation``: everything allocated
                  forward, or under ``memory.phase("forward")``, as        outside backward and outside the
                  memkit's step computes its loss) and still alive when    optimizer step, including forward scratch

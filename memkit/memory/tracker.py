@@ -17,6 +17,7 @@ storage's role becomes known: autograd puts it in ``param.grad`` (gradient), it 
 from __future__ import annotations
 
 import contextvars
+import sys
 import time
 import traceback
 import weakref
@@ -26,7 +27,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from . import workspace
@@ -40,6 +41,9 @@ _ACTIVATION, _TEMPORARY = CATEGORY_CODE["activation"], CATEGORY_CODE["temporary"
 
 _active: list[Tracker] = []  # innermost last
 _get_rng_state = None  # torch.get_rng_state while trackers are active (it is replaced by _rng_state_seen)
+_storage_resize = None  # torch.UntypedStorage.resize_ while trackers are active (replaced by _resize_seen)
+_DTENSOR: tuple[type, ...] = ()  # DTensor once torch.distributed.tensor is imported: its ops are seen desugared
+_shapes_only = [0]  # > 0 while DTensor runs an op on fake tensors only to learn its output's shape
 
 
 def _rng_state_seen() -> torch.Tensor:
@@ -51,12 +55,43 @@ def _rng_state_seen() -> torch.Tensor:
     return state
 
 
+def _resize_seen(storage: torch.UntypedStorage, nbytes: int):
+    # FSDP frees and re-allocates its unsharded parameters by resizing their storages in place (Python calls
+    # UntypedStorage.resize_, outside dispatch): a storage that grows is an allocation, one that shrinks a free.
+    before = storage.nbytes()
+    out = _storage_resize(storage, nbytes)
+    if storage.nbytes() != before:
+        for tracker in list(_active):
+            tracker._resized(storage)
+    return out
+
+
 def _watch_outside_dispatch(on: bool) -> None:
-    global _get_rng_state
+    global _get_rng_state, _storage_resize, _DTENSOR
     if on and _get_rng_state is None:
         _get_rng_state, torch.get_rng_state = torch.get_rng_state, _rng_state_seen
+        _storage_resize, torch.UntypedStorage.resize_ = torch.UntypedStorage.resize_, _resize_seen
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = (dtensor.DTensor,) if dtensor is not None else ()
+        if dtensor is not None:  # no DTensor (nor FSDP module) can exist unless torch.distributed.tensor is imported
+            from . import fsdp
+
+            fsdp.instrument(True)  # a torch without these FSDP2 internals: a warning, and FSDP's buffers uncategorized
     elif not on and _get_rng_state is not None:
         torch.get_rng_state, _get_rng_state = _get_rng_state, None
+        torch.UntypedStorage.resize_, _storage_resize = _storage_resize, None
+        if "memkit.memory.fsdp" in sys.modules:
+            sys.modules["memkit.memory.fsdp"].instrument(False)
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that own memory behind ``t``: itself, or a wrapper subclass's inner tensors (a DTensor's
+    local shard); the wrapper's own storage has the global size and holds no memory."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, name) for name in names)
+    return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain(x)]
 
 
 _FRESH = {torch.ops.aten.lift_fresh.default}
@@ -103,8 +138,15 @@ class _Mode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTENSOR and _DTENSOR[0] in types:
+            # Let DTensor desugar into ops on its local shards, which come back here: they are the allocations.
+            return NotImplemented
         kwargs = kwargs or {}
         tracker = self.tracker
+        if _shapes_only[0]:
+            # DTensor's sharding propagation runs the op on fake tensors (the first time it sees a signature) to
+            # learn the output's shape: nothing is allocated (torch's FSDPMemTracker skips these too).
+            return func(*args, **kwargs)
         if tracker._pending and func.namespace != "prim":
             # Before the phase: a backward starting now retags what is saved. Not on prim ops (prim.device): they
             # allocate nothing, and fake tensors' device queries run before autograd has set the output's grad_fn.
@@ -151,6 +193,7 @@ class Tracker:
         self._saved_by_node: dict[int, list[tuple[int, object]]] = {}  # node sequence nr -> (storage key, number)
         self._saved_node: dict[int, int] = {}  # storage key -> node sequence nr
         self._host: dict[int, tuple[int, weakref.ref]] = {}  # storages created under off_device(): key -> bytes
+        self._resized_role: dict[int, int] = {}  # storage resized to 0 -> its category, kept for when it regrows
         self._host_bytes = self._host_peak = 0
         self._lower_bound: set[str] = set()  # ops that ran a kernel path whose internal buffers are not modelled
         self._devices: dict[torch.device | None, int] = {}
@@ -273,6 +316,10 @@ class Tracker:
         self._new_storage(t, category, phase, self.log.ops(name))
 
     def _new_storage(self, t: torch.Tensor, category: int, phase: int, op: int) -> None:
+        if _DTENSOR and isinstance(t, _DTENSOR):
+            for inner in _plain(t):
+                self._new_storage(inner, category, phase, op)
+            return
         s = t.untyped_storage()
         key = s._cdata
         if key in self._live or key in self._host:
@@ -294,12 +341,39 @@ class Tracker:
         rows.append((time.perf_counter() - self._t0, ALLOC, n, category, phase, device, op, frame, key))
         self._live[key] = _Live(index, n, category, phase, weakref.ref(s, partial(self._on_free, key, device)))
 
+    def _resized(self, s: torch.UntypedStorage) -> None:
+        """``s`` was resized in place: its old bytes are freed and its new bytes allocated, keeping its category."""
+        key = s._cdata
+        if key in self._host:
+            return
+        phase = self._phase_now()
+        entry = self._live.pop(key, None)
+        now = time.perf_counter() - self._t0
+        rows = self.log.rows
+        if entry is not None:  # dropping the entry drops its weakref: no free is recorded twice
+            device = self.log.rows[entry.event][5] if entry.event >= 0 else self._device_code(s.device)
+            rows.append((now, FREE, entry.nbytes, entry.category, phase, device, -1, -1, key))
+            self._resized_role[key] = entry.category
+        n = s.nbytes()
+        if n == 0:
+            return
+        n = self._round(n)
+        category = self._resized_role.get(key)
+        if category is None:
+            category = _ACTIVATION if (phase == _BACKWARD and self._forward_depth) else _TEMPORARY
+        device = self._device_code(s.device)
+        index = len(rows)
+        frame = self._frame() if self.record_stacks else -1
+        rows.append((now, ALLOC, n, category, phase, device, self.log.ops("UntypedStorage.resize_"), frame, key))
+        self._live[key] = _Live(index, n, category, phase, weakref.ref(s, partial(self._on_free, key, device)))
+
     def _on_host_free(self, key: int, _ref=None) -> None:
         entry = self._host.pop(key, None)
         if entry is not None:
             self._host_bytes -= entry[0]
 
     def _on_free(self, key: int, device: int, _ref=None, row_key: int | None = None) -> None:
+        self._resized_role.pop(key, None)
         entry = self._live.pop(key, None)
         if entry is None or self._closed:
             return
@@ -364,9 +438,7 @@ class Tracker:
         """Give ``tensors`` the ``category``: storages allocated inside the window are retagged, storages
         that existed before it are added to the baseline (they were live all along)."""
         code = check_category(category)
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in (inner for x in tensors if isinstance(x, torch.Tensor) for inner in _plain(x)):
             s = t.untyped_storage()
             key = s._cdata
             entry = self._live.get(key)
@@ -374,7 +446,8 @@ class Tracker:
                 self._retag(entry, code)
                 continue
             n = s.nbytes()
-            if n == 0:
+            if n == 0:  # resized to 0 (an FSDP unsharded parameter between uses): its role when it regrows
+                self._resized_role[key] = code
                 continue
             n = self._round(n)
             self._baseline[category] += n
@@ -463,6 +536,7 @@ class Tracker:
             self._pending.clear()
             self._saved_by_node.clear()
             self._saved_node.clear()
+            self._resized_role.clear()
 
     def _snapshot(self, seen_version) -> tuple[tuple, dict, dict] | None:
         version = (len(self.log.rows), len(self.log.retags), tuple(self._baseline.values()))

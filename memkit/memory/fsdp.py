@@ -1,0 +1,102 @@
+"""How the tracker knows FSDP2's own storages: the unsharded parameters it all-gathers and its communication
+buffers.
+
+``fully_shard`` (FSDP2) keeps each parameter as a DTensor shard (the tracker counts its local tensor as
+``parameter``, its gradient shard as ``gradient``, the optimizer's state on it as ``optimizer_state``). Around
+each use it all-gathers the full parameters into storages it resizes from 0 bytes and back
+(``unsharded_parameter``), and it communicates through flat buffers: the all-gather output, the reduce-scatter
+input and output (``collective``; the reduce-scatter output's storage becomes the gradient shards, so it is
+retagged ``gradient`` when FSDP hands it to the parameter).
+
+Nothing here changes what FSDP computes: while a tracker is active, three methods are wrapped, and restored
+when the last tracker stops. They are internals of torch 2.13: FSDP2's ``allocate`` of communication buffers
+(what it returns is tagged ``collective``); ``FSDPParamGroup.wait_for_unshard``, the one place both the
+all-gather path and the world-size-1 copy end with every parameter of a group unsharded (tagged
+``unsharded_parameter``); and DTensor's ``ShardingPropagator._propagate_tensor_meta_non_cached``, which runs an
+op on fake tensors to learn its output's shape the first time it meets a signature: the tracker ignores those
+ops (they allocate nothing; under an estimate's fake mode they would look like real allocations).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .tracker import _shapes_only, tag
+
+_saved: list[tuple[type, str, Callable]] = []
+
+
+def _unsharded_tensors(group: Any) -> list:
+    tensors = []
+    for fsdp_param in group.fsdp_params:
+        tensors += fsdp_param.all_gather_outputs
+        tensors += getattr(fsdp_param, "_unsharded_inner_tensors", [])
+    return tensors
+
+
+def _wrap_allocate(allocate: Callable) -> Callable:
+    @functools.wraps(allocate)
+    def allocate_tagged(self, *args, **kwargs):
+        out = allocate(self, *args, **kwargs)
+        tag(out, "collective")
+        return out
+
+    return allocate_tagged
+
+
+def _wrap_wait_for_unshard(wait: Callable) -> Callable:
+    @functools.wraps(wait)
+    def wait_tagged(self, *args, **kwargs):
+        out = wait(self, *args, **kwargs)
+        tag(_unsharded_tensors(self), "unsharded_parameter")
+        return out
+
+    return wait_tagged
+
+
+def _wrap_shape_propagation(propagate: Callable) -> Callable:
+    @functools.wraps(propagate)
+    def propagate_unseen(self, *args, **kwargs):
+        _shapes_only[0] += 1
+        try:
+            return propagate(self, *args, **kwargs)
+        finally:
+            _shapes_only[0] -= 1
+
+    return propagate_unseen
+
+
+def instrument(on: bool) -> None:
+    """Wrap (``on=True``) or restore FSDP2's buffer allocation and unshard; the tracker calls this when its
+    first tracker starts and its last one stops. Idempotent."""
+    if not on:
+        while _saved:
+            cls, name, original = _saved.pop()
+            setattr(cls, name, original)
+        return
+    if _saved:
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError as e:  # another torch: tracking still works, FSDP's storages keep phase-based categories
+        warnings.warn(f"memkit: FSDP2's buffers cannot be categorized with this torch ({e})", stacklevel=2)
+        return
+    targets = [
+        (FSDPParamGroup, "wait_for_unshard", _wrap_wait_for_unshard),
+        (ShardingPropagator, "_propagate_tensor_meta_non_cached", _wrap_shape_propagation),
+    ]
+    for name in ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin"):
+        cls = getattr(collectives, name, None)
+        if cls is not None and "allocate" in vars(cls):
+            targets.append((cls, "allocate", _wrap_allocate))
+    for cls, name, wrap in targets:
+        original = vars(cls).get(name)
+        if original is None:
+            continue
+        _saved.append((cls, name, original))
+        setattr(cls, name, wrap(original))

@@ -1,0 +1,254 @@
+"""FSDP2 on one machine: the memory of rank 0 of an N-GPU fully sharded run, with torch's own engine.
+
+``memkit.FSDP(world_size=8)`` shards the model with ``torch.distributed.fsdp.fully_shard`` (each transformer
+block, then the root) over a *fake* process group: collectives do nothing, every rank's shapes are real. On
+fake tensors (``memkit.estimate(..., parallel=memkit.FSDP(...))``) that is the per-GPU timeline of a full-size
+model in seconds; on real tensors (``FSDP(...).apply(model)``, then ``memkit.Step`` under ``memkit.track``) the
+same step runs for real on CPU, so an estimate is checkable against real storages. Values are rank 0's shard; the
+other ranks' data is never there, so outputs and gradients are not those of the unsharded model (memory is).
+
+What the categories mean under FSDP2 (see ``memkit/memory/fsdp.py`` for how the tracker knows them):
+``parameter``, ``gradient`` and ``optimizer_state`` are rank 0's shards (1/N of the model each, plus padding
+to a multiple of N rows); ``unsharded_parameter`` is the full parameters of the blocks all-gathered at the
+moment; ``collective`` the all-gather and reduce-scatter buffers in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .handle import Handle
+
+__all__ = ["FSDP", "fake_process_group", "on_local_shards", "sharded_order"]
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[Any]:
+    """A CPU ``DeviceMesh`` of ``world_size`` ranks on torch's ``"fake"`` backend, this process rank 0.
+
+    Starts the process group only if none is running (and then destroys it on exit, error or not); a running
+    one must have ``world_size`` ranks. Create the mesh before entering ``FakeTensorMode``: inside, building it
+    fails (``DataDependentOutputException``).
+
+    Example:
+        >>> with fake_process_group(8) as mesh:
+        ...     fully_shard(model, mesh=mesh)
+    """
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    started = False
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size is {world_size}, but a process group of {dist.get_world_size()} ranks is already "
+                "running: destroy it first or ask for its size"
+            )
+    else:
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
+        started = True
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDP:
+    """Fully sharded data parallel (torch's FSDP2, ``fully_shard``) over ``world_size`` GPUs, seen from rank 0.
+
+    Saves: parameters, gradients and optimizer state are split N ways (AdamW on fp32: 16 bytes per parameter
+    become 16/N). Costs: each block's full parameters are all-gathered before its forward and again before its
+    backward (``unsharded_parameter``, one or two blocks at a time, plus the all-gather and reduce-scatter
+    buffers, ``collective``), and communication time, which memkit does not model. Does nothing for the
+    activations: those are per-GPU already (checkpointing cuts them). At ``world_size=1`` it only adds the
+    unsharded copies and buffers: use it to see the layout, not to save memory.
+
+    In :func:`memkit.estimate` pass it as ``parallel=``; on real tensors apply it after checkpointing and the FF
+    split (they change the blocks FSDP wraps) and before an EMA (whose shadows then live on the shards):
+    :func:`sharded_order` does that. ``compare`` does not take it: rank 0 holds only its shard of the values,
+    so outputs and gradients cannot be compared with the unsharded model's.
+
+    Example:
+        >>> tl = memkit.estimate("flux", optimizer="adamw", parallel=memkit.FSDP(world_size=8))
+        >>> tl.peak_by_category()["parameter"]          # rank 0's shard of the weights
+        >>> with memkit.FSDP(world_size=2).apply(model) as h, memkit.track(model) as real:
+        ...     memkit.Step().bind(model, h).run(inputs)          # the same, for real on CPU
+    """
+
+    world_size: int = 8
+    """GPUs the model is sharded over (rank 0's memory is measured). 1 is allowed (no sharding, FSDP's
+    buffers only)."""
+    reshard_after_forward: bool = True
+    """Free each block's unsharded parameters after its forward and all-gather them again for its backward
+    (FSDP2's default, ZeRO-3). False keeps them from forward to backward (ZeRO-2: more memory, fewer
+    all-gathers). The root module keeps its own parameters unsharded until backward either way."""
+    mixed_precision: torch.dtype | None = None
+    """Dtype of the unsharded parameters (all-gathered and computed in it, e.g. ``torch.bfloat16`` with fp32
+    shards), with gradients reduced in float32: FSDP2's ``MixedPrecisionPolicy(param_dtype=...,
+    reduce_dtype=torch.float32)``. None: the parameters' own dtype throughout."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        if self.mixed_precision is not None and (
+            not isinstance(self.mixed_precision, torch.dtype) or not self.mixed_precision.is_floating_point
+        ):
+            raise ValueError(
+                "mixed_precision must be None or a floating torch.dtype (torch.bfloat16, torch.float16, "
+                f"torch.float32), got {self.mixed_precision!r}"
+            )
+
+    def process_group(self) -> contextlib.AbstractContextManager:
+        """:func:`fake_process_group` of ``world_size`` ranks; yields the mesh :meth:`apply` takes."""
+        return fake_process_group(self.world_size)
+
+    def apply(self, model: torch.nn.Module, *, mesh: Any = None) -> Handle:
+        """Shard ``model`` (each block, then the root); the handle's ``remove()`` puts back the module
+        classes, hooks and original parameters, so the model is as before (the shards' updates are dropped).
+
+        Without ``mesh`` a fake process group is started here (if none runs) and ended by ``remove()``.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        session = contextlib.ExitStack()
+        if mesh is None:
+            mesh = session.enter_context(self.process_group())
+        saved = {m: (m.__class__, _shallow_dict(m)) for m in model.modules()}
+        mp = (
+            MixedPrecisionPolicy(param_dtype=self.mixed_precision, reduce_dtype=torch.float32)
+            if self.mixed_precision is not None
+            else MixedPrecisionPolicy()
+        )
+        kwargs = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": mp}
+        try:
+            for block in _blocks(model):
+                fully_shard(block, **kwargs)
+            fully_shard(model, **kwargs)
+        except BaseException:
+            _restore(saved)
+            session.close()
+            raise
+
+        def undo() -> None:
+            try:
+                _restore(saved)
+            finally:
+                session.close()
+
+        return Handle(undo, name=str(self))
+
+    def __str__(self) -> str:
+        extra = "" if self.reshard_after_forward else ",keep-unsharded"
+        if self.mixed_precision is not None:
+            extra += f",{str(self.mixed_precision).replace('torch.', '')}"
+        return f"fsdp:{self.world_size}{extra}"
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """``fsdp`` applied on a mesh made beforehand (an estimate makes it before entering fake mode)."""
+
+    fsdp: FSDP
+    mesh: Any
+
+    def apply(self, model: torch.nn.Module) -> Handle:
+        return self.fsdp.apply(model, mesh=self.mesh)
+
+    def __str__(self) -> str:
+        return str(self.fsdp)
+
+
+def sharded_order(optimizations, fsdp: FSDP, mesh: Any = None) -> list:
+    """``optimizations`` with ``fsdp`` inserted where it belongs: after those that change the blocks
+    (checkpointing, FF split), before an EMA (so its shadows are shards, as the optimizer's state is).
+
+    Example:
+        >>> apply_all(model, sharded_order([memkit.Checkpointing(), memkit.EMA()], memkit.FSDP(world_size=2)))
+    """
+    from .optimizations.ema import EMA
+
+    optimizations = list(optimizations)
+    first_ema = next((i for i, o in enumerate(optimizations) if isinstance(o, EMA)), len(optimizations))
+    sharding = _Sharding(fsdp, mesh) if mesh is not None else fsdp
+    return [*optimizations[:first_ema], sharding, *optimizations[first_ema:]]
+
+
+def on_local_shards(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The same optimizer over the local shards of its DTensor parameters: the ops, shapes and storages of
+    the DTensor step, without DTensor's dispatch, whose sharding propagation of a foreach op over N tensors
+    costs O(N²) in torch 2.13 (~80 s of a full Flux AdamW step on fake tensors, ~1 s here). FSDP2's shards
+    are ``Shard(0)`` and the update is elementwise, so each DTensor op is exactly its local op
+    (``tests/test_fsdp.py`` checks estimates made this way against real runs of the DTensor optimizer, to the
+    byte). The shards' gradients are handed over before each step; ``zero_grad`` clears the DTensors' own.
+
+    Example:
+        >>> runner.optimizer = on_local_shards(runner.optimizer)
+    """
+    if optimizer is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        return optimizer
+    local = {p: p._local_tensor if isinstance(p, DTensor) else p for p in params}
+    groups = [{**g, "params": [local[p] for p in g["params"]]} for g in optimizer.param_groups]
+    shards = type(optimizer)(groups)  # each group carries every hyperparameter
+
+    def hand_over(*_):
+        for p, t in local.items():
+            if t is not p:
+                t.grad = p.grad._local_tensor if p.grad is not None else None
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        for p, t in local.items():
+            if t is not p:
+                t.grad = None
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    shards.register_step_pre_hook(hand_over)
+    shards.zero_grad = zero_grad  # type: ignore[method-assign]
+    return shards
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that get their own ``fully_shard``: the blocks checkpointing chooses from."""
+    from .optimizations.checkpointing import diffusers_blocks, module_list_blocks
+
+    if getattr(model, "_supports_gradient_checkpointing", False):
+        blocks = diffusers_blocks(model)
+    else:
+        try:
+            blocks = module_list_blocks(model)
+        except ValueError:  # no block list: the root alone is sharded
+            blocks = []
+    return [b for _, b in blocks]
+
+
+def _shallow_dict(module: torch.nn.Module) -> dict[str, Any]:
+    # The dicts FSDP changes in place (parameters, hooks) are copied; the objects they hold are not.
+    return {k: (type(v)(v) if type(v) in (dict, OrderedDict) else v) for k, v in module.__dict__.items()}
+
+
+def _restore(saved: dict[torch.nn.Module, tuple[type, dict[str, Any]]]) -> None:
+    states = sys.modules.get("torch.distributed._composable_state")
+    for module, (cls, attrs) in saved.items():
+        module.__dict__.clear()
+        module.__dict__.update(attrs)
+        module.__class__ = cls
+        if states is not None:  # FSDP's registry of module -> state refuses a module it already knows
+            states._module_state_mapping.pop(module, None)

@@ -1,0 +1,386 @@
+"""FSDP2 seen from rank 0: estimates on fake tensors against real runs, and the categories against first principles.
+
+Every expected number below comes from the model's parameter shapes and FSDP2's layout: each parameter is
+split along dim 0 into ``world_size`` shards of ``ceil(rows / N)`` rows (the last padded), its unsharded
+copy has ``N`` such shards, and AdamW keeps two fp32 tensors per shard plus one 4-byte ``step``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import memkit
+from memkit.handle import apply_all
+from memkit.memory.tracker import track
+from memkit.parallel import _blocks, sharded_order
+from memkit.step import Step, model_output
+
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+
+PRESET = "flux"
+WORLD_SIZES = (1, 2, 4, 8)
+_cache: dict = {}
+
+
+def _fake(n: int, *, steps: int = 2, optimizations=(), **kwargs) -> memkit.Timeline:
+    key = ("fake", n, steps, tuple(str(o) for o in optimizations), tuple(sorted(kwargs.items())))
+    if key not in _cache:
+        fsdp = memkit.FSDP(world_size=n, **kwargs)
+        _cache[key] = memkit.estimate(
+            PRESET, size="tiny", optimizer="adamw", steps=steps, optimizations=optimizations, parallel=fsdp
+        )
+    return _cache[key]
+
+
+def _real(n: int, *, steps: int = 2, optimizations=(), **kwargs) -> memkit.Timeline:
+    key = ("real", n, steps, tuple(str(o) for o in optimizations), tuple(sorted(kwargs.items())))
+    if key not in _cache:
+        model = memkit.load_model(PRESET, size="tiny")
+        inputs = memkit.make_inputs(model)
+        with apply_all(model, sharded_order(optimizations, memkit.FSDP(world_size=n, **kwargs))) as handle:
+            runner = Step(optimizer="adamw").bind(model, handle)
+            for _ in range(steps - 1):
+                runner.run(inputs)
+            with track(inputs=inputs, **runner.tracked_objects()) as tl:
+                runner.run(inputs)
+        _cache[key] = tl
+    return _cache[key]
+
+
+def _tiny() -> torch.nn.Module:
+    return memkit.load_model(PRESET, size="tiny")
+
+
+def _shard_bytes(params, n: int) -> int:
+    """Rank 0's shards: ceil(rows / n) rows of each parameter."""
+    return sum(math.ceil(p.shape[0] / n) * (p.numel() // p.shape[0]) * p.element_size() for p in params)
+
+
+def _padded_bytes(params, n: int) -> int:
+    """The unsharded (all-gathered) copies: n shards each, padding included."""
+    return n * _shard_bytes(params, n)
+
+
+def _live_max(tl: memkit.Timeline, category: str) -> int:
+    return int(tl.live_by_category()[category].max())
+
+
+def _end(tl: memkit.Timeline) -> dict[str, int]:
+    return tl.bytes_by_category_at(len(tl) - 1)
+
+
+# ---- the config ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
+        ({"world_size": True}, "world_size must be an int >= 1"),
+        ({"world_size": "8"}, "world_size must be an int >= 1"),
+        ({"reshard_after_forward": 1}, "reshard_after_forward must be True or False"),
+        ({"mixed_precision": torch.int8}, "mixed_precision must be None or a floating torch.dtype"),
+        ({"mixed_precision": "bf16"}, "mixed_precision must be None or a floating torch.dtype"),
+    ],
+)
+def test_fsdp_refuses_bad_arguments_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        memkit.FSDP(**kwargs)
+
+
+def test_fsdp_is_keyword_only_frozen_and_named():
+    with pytest.raises(TypeError):
+        memkit.FSDP(8)  # type: ignore[misc]
+    f = memkit.FSDP(world_size=4, reshard_after_forward=False, mixed_precision=torch.bfloat16)
+    with pytest.raises(AttributeError):
+        f.world_size = 2  # type: ignore[misc]
+    assert str(f) == "fsdp:4,keep-unsharded,bfloat16"
+    assert "FSDP" in memkit.__all__ and memkit.FSDP is memkit.parallel.FSDP
+
+
+def test_estimate_refuses_fsdp_among_the_optimizations():
+    with pytest.raises(ValueError, match="parallel="):
+        memkit.estimate(PRESET, size="tiny", optimizations=[memkit.FSDP(world_size=2)])
+    with pytest.raises(TypeError, match="parallel must be a memkit.FSDP"):
+        memkit.estimate(PRESET, size="tiny", parallel=2)
+
+
+# ---- world size 1 is today's estimate ---------------------------------------------------------------------------
+def test_world_size_1_equals_the_unsharded_estimate():
+    # AdamW's step is the peak of a first step here: only shards (= the whole model at N=1), their gradients and
+    # the new optimizer state are alive then, exactly as without FSDP, so the two peaks agree to the byte.
+    plain = memkit.estimate(PRESET, size="tiny", optimizer="adamw")
+    one = memkit.estimate(PRESET, size="tiny", optimizer="adamw", parallel=memkit.FSDP(world_size=1))
+    assert one.peak_phase == plain.peak_phase == "optimizer"
+    assert one.peak_bytes == plain.peak_bytes
+    assert one.peak_by_category() == plain.peak_by_category()
+    assert one.baseline_by_category == plain.baseline_by_category
+    assert one.meta["parallel"] == "fsdp:1" and plain.meta["parallel"] is None
+
+
+def test_world_size_1_adds_only_fsdp_buffers_in_forward_and_backward():
+    # With the optimizer state already there (2nd step) the peak moves into backward, where FSDP at N=1 holds an
+    # unsharded copy of the blocks it works on and its flat buffers besides the shards: never less than without.
+    plain = memkit.estimate(PRESET, size="tiny", optimizer="adamw", steps=2)
+    one = _fake(1)
+    assert one.baseline_by_category == plain.baseline_by_category
+    assert one.peak_bytes >= plain.peak_bytes
+    extra = one.peak_by_category()
+    assert one.peak_bytes - plain.peak_bytes <= extra["unsharded_parameter"] + extra["collective"]
+
+
+# ---- fake = real ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_estimate_equals_the_real_run_at_each_world_size(n):
+    fake, real = _fake(n), _real(n)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.peak_by_category() == real.peak_by_category()
+    assert fake.baseline_by_category == real.baseline_by_category
+    assert len(fake) == len(real)
+
+
+# ---- the categories from first principles -----------------------------------------------------------------------
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_sharded_categories_are_rank_0s_shards(n):
+    params = list(_tiny().parameters())
+    shard = _shard_bytes(params, n)
+    tl = _fake(n)
+    base = tl.baseline_by_category
+    assert base["parameter"] == shard
+    assert base["optimizer_state"] == 2 * shard + 4 * len(params)  # exp_avg, exp_avg_sq, and a 0-dim fp32 step
+    assert _live_max(tl, "gradient") == shard  # every gradient shard, once backward is done
+    assert base["unsharded_parameter"] == base["collective"] == base["gradient"] == 0
+    assert _end(tl) == base  # everything FSDP gathered or communicated is freed again
+
+
+def test_sharded_categories_scale_as_one_over_the_world_size():
+    params = list(_tiny().parameters())
+    whole = sum(p.numel() * p.element_size() for p in params)
+    for n in WORLD_SIZES:
+        base = _fake(n).baseline_by_category
+        padding = sum((n - 1) * (p.numel() // p.shape[0]) * p.element_size() for p in params)  # < 1 row per shard
+        assert whole <= n * base["parameter"] <= whole + padding
+        assert whole <= n * _live_max(_fake(n), "gradient") <= whole + padding
+
+
+def test_sharded_categories_scale_within_cuda_rounding():
+    # Planned for a GPU, every storage is a multiple of 512 bytes: each shard rounds up by less than a block.
+    params = list(_tiny().parameters())
+    n = 4
+    tl = memkit.estimate(
+        PRESET, size="tiny", optimizer="adamw", steps=2, device="cuda", parallel=memkit.FSDP(world_size=n)
+    )
+    shard = _shard_bytes(params, n)
+    assert shard <= tl.baseline_by_category["parameter"] < shard + 512 * len(params)
+    assert tl.baseline_by_category["parameter"] % 512 == 0
+
+
+def test_unsharded_parameters_are_the_root_and_at_most_two_blocks():
+    model = _tiny()
+    n = 2
+    blocks = [list(b.parameters()) for b in _blocks(model)]
+    in_blocks = {id(p) for ps in blocks for p in ps}
+    root = _padded_bytes([p for p in model.parameters() if id(p) not in in_blocks], n)
+    biggest = max(_padded_bytes(ps, n) for ps in blocks)
+    gathered = _live_max(_fake(n), "unsharded_parameter")
+    # the root's own parameters stay gathered through backward; each block's only while it runs, and backward
+    # prefetches the next block's all-gather
+    assert root + biggest <= gathered <= root + 2 * biggest
+    # without resharding after forward, every block's copy is still there when backward starts
+    assert _live_max(_fake(n, reshard_after_forward=False), "unsharded_parameter") == _padded_bytes(
+        list(model.parameters()), n
+    )
+
+
+def test_collective_buffers_exist_only_in_flight():
+    n = 4
+    tl = _fake(n)
+    assert _live_max(tl, "collective") > 0
+    assert _end(tl)["collective"] == 0
+    allocated = tl.to_pandas().query("category == 'collective' and action == 'alloc'")
+    assert set(allocated["phase"]) == {"forward", "backward"}  # all-gathers, then reduce-scatters too
+
+
+def test_mixed_precision_gathers_in_bf16():
+    model = _tiny()
+    n = 2
+    tl = _fake(n, mixed_precision=torch.bfloat16)
+    params = list(model.parameters())
+    assert tl.baseline_by_category["parameter"] == _shard_bytes(params, n)  # fp32 shards
+    bf16 = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    blocks = [list(b.parameters()) for b in _blocks(model)]
+    in_blocks = {id(p) for ps in blocks for p in ps}
+    root = _padded_bytes([b for p, b in zip(params, bf16, strict=True) if id(p) not in in_blocks], n)
+    assert _live_max(tl, "unsharded_parameter") >= root  # bf16 copies: half the fp32 gathered bytes
+    assert _live_max(tl, "unsharded_parameter") <= _padded_bytes(bf16, n)
+
+
+# ---- composition ------------------------------------------------------------------------------------------------
+def test_checkpointing_composes_with_fsdp():
+    n = 2
+    ckpt = [memkit.Checkpointing(pattern="all")]
+    fake, real = _fake(n, optimizations=ckpt), _real(n, optimizations=ckpt)
+    assert fake.peak_bytes == real.peak_bytes and fake.peak_by_category() == real.peak_by_category()
+    # checkpointing keeps only the blocks' inputs for backward: fewer activations, the same shards
+    assert _live_max(fake, "activation") < _live_max(_fake(n), "activation")
+    assert fake.baseline_by_category == _fake(n).baseline_by_category
+
+
+def test_ema_after_fsdp_lives_on_the_shards():
+    n = 4
+    ema = [memkit.EMA()]
+    tl = _fake(n, optimizations=ema)
+    assert tl.baseline_by_category["ema"] == _shard_bytes(list(_tiny().parameters()), n)
+    assert tl.peak_bytes == _real(n, optimizations=ema).peak_bytes
+
+
+def test_ff_split_composes_with_fsdp():
+    n = 2
+    split = [memkit.FFSplit(splits=2)]
+    fake, real = _fake(n, optimizations=split), _real(n, optimizations=split)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.baseline_by_category["parameter"] == _shard_bytes(list(_tiny().parameters()), n)
+
+
+# ---- process group and model lifecycle --------------------------------------------------------------------------
+def test_the_process_group_is_gone_after_an_estimate_even_one_that_fails():
+    memkit.estimate(PRESET, size="tiny", parallel=memkit.FSDP(world_size=2))
+    assert not dist.is_initialized()
+
+    def broken(model):
+        raise RuntimeError("no inputs today")
+
+    with pytest.raises(RuntimeError, match="no inputs today"):
+        memkit.estimate(PRESET, broken, size="tiny", parallel=memkit.FSDP(world_size=2))
+    assert not dist.is_initialized()
+
+
+def test_a_running_process_group_is_used_and_kept():
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        with pytest.raises(ValueError, match="world_size is 4, but a process group of 2 ranks"):
+            memkit.estimate(PRESET, size="tiny", parallel=memkit.FSDP(world_size=4))
+        tl = memkit.estimate(PRESET, size="tiny", optimizer="adamw", steps=2, parallel=memkit.FSDP(world_size=2))
+        assert dist.is_initialized() and dist.get_world_size() == 2
+        assert tl.peak_bytes == _fake(2).peak_bytes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_remove_restores_the_model_bit_for_bit():
+    model = _tiny()
+    inputs = memkit.make_inputs(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = {name: type(m) for name, m in model.named_modules()}
+    with torch.no_grad():
+        out = model_output(model(**inputs))
+    handle = memkit.FSDP(world_size=2).apply(model)
+    assert dist.is_initialized() and type(model).__name__.startswith("FSDP")
+    Step(optimizer="adamw").bind(model, handle).run(inputs)  # changes the shards, never the originals
+    handle.remove()
+    assert not dist.is_initialized()
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model_output(model(**inputs)), out)
+    memkit.FSDP(world_size=2).apply(model).remove()  # FSDP accepts the model again
+
+
+# ---- torch's FSDPMemTracker -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2])
+def test_agrees_with_torch_fsdp_mem_tracker(n):
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    model = _tiny()
+    inputs = memkit.make_inputs(model)
+    with memkit.FSDP(world_size=n).apply(model) as handle:
+        runner = Step(optimizer="adamw").bind(model, handle)
+        runner.run(inputs)
+        fmt = FSDPMemTracker(model, runner.optimizer)
+        fmt.track_inputs(tuple(inputs.values()))
+        with fmt, track(inputs=inputs, **runner.tracked_objects()) as tl:  # both watch the very same step
+            runner.run(inputs)
+        cpu = torch.device("cpu")
+        theirs = {str(k).split(".")[-1]: v for k, v in fmt.get_tracker_snapshot("peak")[cpu].items()}
+        end = {str(k).split(".")[-1]: v for k, v in fmt.get_tracker_snapshot("current")[cpu].items()}
+    ours = tl.peak_by_category()
+    # the persistent shards, to the byte, at the peak and after the step
+    assert ours["parameter"] == theirs.get("SHARDED_PARAM", 0)
+    assert ours["gradient"] == theirs.get("SHARDED_GRAD", 0)
+    assert ours["optimizer_state"] == theirs.get("OPT", 0)
+    assert ours["unsharded_parameter"] == theirs.get("UNSHARDED_PARAM", 0)
+    assert _end(tl)["parameter"] == end["SHARDED_PARAM"] and _end(tl)["optimizer_state"] == end["OPT"]
+    assert tl.end_bytes == end["Total"]
+    if n > 1:  # FSDPMemTracker names buffers by the collective they feed; at N=1 FSDP issues none (its TEMP)
+        assert ours["collective"] == theirs.get("ALL_GATHER", 0) + theirs.get("REDUCE_SCATTER", 0)
+    # the transient rest, and so the peak (no kernel-internal buffers on these fp32 CPU ops for memkit to add)
+    rest = ours["activation"] + ours["temporary"] + (0 if n > 1 else ours["collective"])
+    assert rest == theirs.get("ACT", 0) + theirs.get("TEMP", 0)
+    assert tl.peak_bytes == theirs["Total"]
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_the_local_shard_optimizer_is_the_dtensor_optimizer_byte_for_byte(n):
+    # An estimate steps the optimizer on the local shards (DTensor's foreach dispatch is O(N^2) in torch 2.13);
+    # the real run below steps torch's AdamW on the DTensors, foreach as on CUDA: the same timeline.
+    step = Step(optimizer="adamw", steps=2, foreach=True)
+    fake = memkit.estimate(PRESET, size="tiny", step=step, parallel=memkit.FSDP(world_size=n))
+    model = _tiny()
+    inputs = memkit.make_inputs(model)
+    with memkit.FSDP(world_size=n).apply(model) as handle:
+        runner = step.bind(model, handle)
+        assert all(
+            isinstance(p, torch.distributed.tensor.DTensor) for g in runner.optimizer.param_groups for p in g["params"]
+        )
+        runner.run(inputs)
+        with track(inputs=inputs, **runner.tracked_objects()) as real:
+            runner.run(inputs)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.peak_by_category() == real.peak_by_category()
+    assert len(fake) == len(real)
+    optimizer = real.to_pandas().query("phase == 'optimizer'")
+    assert optimizer["op"].str.contains("_foreach_").any()  # the foreach path ran
+
+
+# ---- what the tracker learned for FSDP, on its own -------------------------------------------------------------
+def test_a_storage_resized_in_place_is_a_free_then_an_allocation_in_its_category():
+    x = torch.zeros(1000)
+    with track(inputs={"x": x}) as tl:
+        x.untyped_storage().resize_(0)  # how FSDP frees an unsharded parameter
+        x.untyped_storage().resize_(4000)  # and gathers it again
+    live = tl.live_by_category()["input"]
+    assert tl.baseline_by_category["input"] == 4000
+    assert list(live) == [0, 4000]  # one free, one allocation, both "input"
+
+
+def test_a_dtensor_counts_its_local_shard_and_its_ops_their_local_outputs():
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with memkit.parallel.fake_process_group(4) as mesh:
+        dt = distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])
+        with track(inputs={"dt": dt}) as tl:
+            y = dt * 2
+        assert tl.baseline_by_category["input"] == 16 * 8 * 4  # rank 0's 16 rows, not the global 64
+        allocated = tl.to_pandas().query("action == 'alloc'")["bytes"]
+        assert allocated.max() == 16 * 8 * 4  # the local product (beside it, at most the CPU kernel's scratch)
+        del y
+    assert not dist.is_initialized()
+
+
+def test_a_checkpointing_budget_is_planned_for_the_sharded_step():
+    fsdp = memkit.FSDP(world_size=2)
+
+    def peak(pattern: str) -> int:
+        ckpt = [memkit.Checkpointing(pattern=pattern)]
+        return memkit.estimate(PRESET, size="tiny", optimizations=ckpt, parallel=fsdp).peak_bytes
+
+    none, every = peak("none"), peak("all")
+    assert every < none
+    budget = (none + every) // 2
+    tl = memkit.estimate(PRESET, size="tiny", optimizations=[memkit.Checkpointing(budget_bytes=budget)], parallel=fsdp)
+    assert tl.peak_bytes <= budget and tl.meta["parallel"] == "fsdp:2"
+    assert tl.meta["checkpoint_plans"]
