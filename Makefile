@@ -22,8 +22,17 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LAB_ARGS ?=
 
+# The quickstart and the Playground (notebook 06) open as two tabs: `jupyter lab` opens only its first path, so the
+# layout is a workspace (notebooks/memkit.jupyterlab-workspace), copied where JupyterLab looks for workspace "memkit"
+# (file name: jupyterlab_server's slug of it) each time, so `make lab` starts from it; the browser opens it.
+LAB_WORKSPACES := $(VENV)/lab-workspaces
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_quickstart.ipynb
+	mkdir -p $(LAB_WORKSPACES)
+	cp notebooks/memkit.jupyterlab-workspace $(LAB_WORKSPACES)/memkit-00a7.jupyterlab-workspace
+	$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS) --ServerApp.root_dir=notebooks \
+		--LabApp.workspaces_dir=$(LAB_WORKSPACES) --LabApp.default_url=/lab/workspaces/memkit
+
 
 test: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
