@@ -149,6 +149,14 @@ WATCH_JS = """(app) => {
 }"""
 
 
+PLOTS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => [
+  gd.data ? gd.data.length : -1,
+  gd.data ? gd.data.reduce((n, t) => n + (t.x ? t.x.length : 0), 0) : -1,
+  Math.round(gd.getBoundingClientRect().width),
+  gd.closest('.jp-OutputArea-output')?.innerText.includes('Live memory of the tracked step') ?? false,
+])"""
+
+
 def _increases(counts: list[int]) -> int:
     return sum(1 for a, b in zip(counts, counts[1:], strict=False) if b > a)
 
@@ -169,6 +177,9 @@ def test_playground_notebook_runs_and_the_app_updates_live_in_a_browser(tmp_path
             browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
             try:
                 page = browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []  # the page's own errors, said when an assertion fails
+                page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+                page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text[:300]}"))
                 page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={lab.token}")
                 page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=60_000)
                 page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
@@ -180,8 +191,13 @@ def test_playground_notebook_runs_and_the_app_updates_live_in_a_browser(tmp_path
                     "window.jupyterapp.shell.currentWidget.sessionContext?.session?.kernel?.status === 'idle'",
                     timeout=60_000,
                 )
-                _run_all(page, lab)
-                _check_the_app(page, tmp_path)
+                try:
+                    _run_all(page, lab)
+                    _check_the_app(page, tmp_path)
+                except Exception as e:
+                    e.add_note("page errors:\n" + "\n".join(errors[-20:]))
+                    e.add_note(f"plots (traces, points, width): {page.evaluate(PLOTS_JS)}")
+                    raise
             finally:
                 browser.close()
     finally:
