@@ -440,3 +440,14 @@ def test_figures_fall_back_to_a_display_handle_where_figurewidget_cannot_render(
     assert pg.run(wait=True).ok
     assert len(shown) > 4 and all(isinstance(f, go.Figure) for f in shown[1:])
     assert shown[-1].layout.title.text.startswith("Memory")  # the comparison replaced the placeholder
+
+
+def test_a_view_drawn_after_the_updates_starts_from_the_current_figure():
+    # A page reload (or a view whose code loaded late) draws from _widget_data/_widget_layout, not from the messages
+    pg = memkit.Playground(preset="dit", repeats=0, interval=0.01, figures="widget")
+    pg.panels["checkpointing"].enabled.value = True
+    assert pg.run(wait=True).ok
+    for holder in (pg.live, pg.result_figure):
+        w = holder.figure
+        assert [(t["name"], len(t["x"])) for t in w._widget_data] == [(t.name, len(t.x)) for t in w.data]
+        assert w._widget_layout["title"]["text"] == w.layout.title.text

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -109,6 +110,13 @@ class WidgetFigure:
                 w.data = []
                 w.layout = fig.layout
             w.add_traces(list(fig.data))
+        # A view drawn later starts from these two traits, which plotly fills only when the figure itself is
+        # displayed (here it is inside the app): without this, reloading the page, or a view whose widget code
+        # finished loading after these updates (anywidget loads it asynchronously, and plotly's model misses the
+        # messages sent before), shows the blank figure and can never apply the next updates to its traces.
+        if w.has_trait("_widget_data"):
+            w._widget_data = copy.deepcopy(w._data)
+            w._widget_layout = copy.deepcopy(w._layout_obj._props)
         self.shown += 1
 
     def attach(self) -> None:

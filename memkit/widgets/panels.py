@@ -70,11 +70,12 @@ class OptimizationPanel:
         self.choice = widgets.Dropdown(
             options=[*spec.choices, CUSTOM],
             value=settings.choice or CUSTOM,
-            description=getattr(spec, "metavar", "value"),
+            description="value",  # the metavar ("PATTERN[@PROVIDER]") did not fit the label: it is in the tooltip
             style=_STYLE,
             layout=widgets.Layout(width="100%"),
         )
-        set_tooltip(self.choice, f"the values memkit's menus offer for {spec.name}; fills the fields below")
+        metavar = f"{spec.metavar}: " if getattr(spec, "metavar", "") else ""
+        set_tooltip(self.choice, f"{metavar}the values memkit's menus offer for {spec.name}; fills the fields below")
         self.widgets: dict[str, widgets.ValueWidget] = {
             f.name: field_widget(f, settings.values[f.name]) for f in settings.fields
         }

@@ -1,0 +1,273 @@
+"""The Playground in a real browser: JupyterLab, headless Chromium driven by Playwright, notebook 06 run in full.
+
+What no kernel-side test can see: the widgets render, a click in the page reaches the kernel, the live timeline is
+redrawn in the page while the step runs, the comparison table lands, and no output scrolls sideways.
+
+Needs Playwright (the ``dev`` extra) and Chromium (Debian: ``apt-get install chromium``; another binary:
+``MEMKIT_CHROMIUM=/path``); skipped, with the reason, when either is missing. ``MEMKIT_SCREENSHOT_DIR=dir`` also
+writes the app's screenshot there as ``playground.png`` (the README's picture). Run by ``make browser-test``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "06_playground.ipynb"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SETTINGS = {
+    # A kernel starts with the notebook (no kernel dialog); every cell stays in the page (no windowing), so
+    # the whole notebook can be checked for overflow.
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {
+        "autoStartDefaultKernel": True,
+        "windowingMode": "none",
+    },
+    # No "receive Jupyter news?" toast over the page.
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+}
+PATTERN = "every:2"  # the value the test picks in the checkpointing panel (the notebook leaves "all")
+
+
+def _chromium() -> str | None:
+    for path in (os.environ.get("MEMKIT_CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser")):
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    """A JupyterLab server on 127.0.0.1 with a token, serving ``root``; stopped by its PID."""
+
+    def __init__(self, root: Path, home: Path) -> None:
+        self.port, self.token = _free_port(), uuid.uuid4().hex
+        settings = home / "settings"
+        for name, values in SETTINGS.items():
+            path = settings / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+        env = dict(os.environ, MEMKIT_SMOKE="1", JUPYTER_CONFIG_DIR=str(home / "config"))
+        env.pop("PLOTLY_RENDERER", None)  # the browser's own renderer, as a user has it
+        env["JUPYTER_RUNTIME_DIR"] = str(home / "runtime")
+        args = [
+            sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
+            f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
+            f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={home / 'workspaces'}",
+            "--LabApp.expose_app_in_browser=True",
+        ]  # fmt: skip
+        if os.geteuid() == 0:
+            args.append("--allow-root")
+        self.log = home / "lab.log"
+        with open(self.log, "wb") as log:
+            # Its own session: the kernels it starts are stopped with it.
+            self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def api(self, path: str, method: str = "GET") -> object:
+        req = urllib.request.Request(
+            f"{self.url}{path}", method=method, headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                self.api("/api/status")
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"jupyter lab did not answer in {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def wait_kernel_idle(self, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            sessions = self.api("/api/sessions")
+            if sessions and all(s["kernel"]["execution_state"] == "idle" for s in sessions):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"no idle kernel in {timeout} s: {self.api('/api/sessions')}")
+
+    def stop(self) -> None:
+        try:
+            for s in self.api("/api/sessions") or []:
+                self.api(f"/api/sessions/{s['id']}", method="DELETE")
+        except OSError:
+            pass
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=20)
+
+
+# Polls the live figure (the first plotly plot in the app: its points, all traces) and the comparison table every
+# 20 ms, in the page.
+WATCH_JS = """(app) => {
+  const seen = [];
+  window.__memkit = {seen, tableAt: null};
+  window.__memkit.timer = setInterval(() => {
+    const gd = app.querySelector('.js-plotly-plot');
+    const points = gd && gd.data ? gd.data.reduce((n, t) => n + (t.x ? t.x.length : 0), 0) : -1;
+    if (!seen.length || seen[seen.length - 1] !== points) seen.push(points);
+    const table = app.querySelector('.memkit-table');
+    if (window.__memkit.tableAt === null && table && table.innerText.includes(%r)) {
+      window.__memkit.tableAt = seen.length;
+    }
+  }, 20);
+}"""
+
+
+PLOTS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => [
+  gd.data ? gd.data.length : -1,
+  gd.data ? gd.data.reduce((n, t) => n + (t.x ? t.x.length : 0), 0) : -1,
+  Math.round(gd.getBoundingClientRect().width),
+  gd.closest('.jp-OutputArea-output')?.innerText.includes('Live memory of the tracked step') ?? false,
+])"""
+
+
+def _increases(counts: list[int]) -> int:
+    return sum(1 for a, b in zip(counts, counts[1:], strict=False) if b > a)
+
+
+def test_playground_notebook_runs_and_the_app_updates_live_in_a_browser(tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no Chromium found (Debian: apt-get install chromium; or set MEMKIT_CHROMIUM)")
+    root, home = tmp_path / "root", tmp_path / "home"
+    root.mkdir()
+    home.mkdir()
+    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    lab = Lab(root, home)
+    try:
+        lab.wait_ready()
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []  # the page's own errors, said when an assertion fails
+                page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+                page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text[:300]}"))
+                page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={lab.token}")
+                page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=60_000)
+                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+                deadline = time.monotonic() + 60
+                while not lab.api("/api/sessions") and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                lab.wait_kernel_idle()
+                page.wait_for_function(
+                    "window.jupyterapp.shell.currentWidget.sessionContext?.session?.kernel?.status === 'idle'",
+                    timeout=60_000,
+                )
+                try:
+                    _run_all(page, lab)
+                    _check_the_app(page, tmp_path)
+                except Exception as e:
+                    e.add_note("page errors:\n" + "\n".join(errors[-20:]))
+                    e.add_note(f"plots (traces, points, width): {page.evaluate(PLOTS_JS)}")
+                    raise
+            finally:
+                browser.close()
+    finally:
+        lab.stop()
+
+
+def _run_all(page, lab: Lab) -> None:
+    page.evaluate("window.jupyterapp.commands.execute('runmenu:run-all')")
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    n = cells.count()
+    assert n >= 5
+    # Every code cell numbered (none waiting as [*] or never run), the kernel idle.
+    page.wait_for_function(
+        """() => {
+          const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')];
+          return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.innerText));
+        }""",
+        timeout=240_000,
+    )
+    lab.wait_kernel_idle()
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']")
+    assert errors.count() == 0, errors.first.inner_text()
+
+
+def _check_the_app(page, tmp_path: Path) -> None:
+    app = page.locator(".jp-OutputArea-output").filter(has_text="Live memory of the tracked step")
+    assert app.count() == 1
+    app.scroll_into_view_if_needed()
+    assert app.locator(".js-plotly-plot").count() >= 2  # the live figure and the comparison figure render
+    panel = app.locator(".widget-vbox").filter(has=page.get_by_role("checkbox", name="checkpointing")).last
+    assert panel.get_by_role("checkbox", name="checkpointing").is_checked()  # as the notebook left it
+    panel.locator("select").first.select_option(PATTERN)
+    # The kernel got the value: the panel's status line shows the config the state now builds.
+    panel.get_by_text(f"→ checkpointing:{PATTERN}").wait_for(timeout=30_000)
+
+    # In view, as a person watching it: plotly draws a figure once it is on screen.
+    live = app.locator(".js-plotly-plot").first
+    live.scroll_into_view_if_needed()
+    page.wait_for_function("gd => gd.data && gd.data.length > 0", arg=live.element_handle(), timeout=30_000)
+    app.evaluate(WATCH_JS % f"checkpointing:{PATTERN}")
+    # (by its text: the icon's glyph is part of the button's accessible name)
+    app.locator("button.widget-button").filter(has_text="Run").click()
+    page.wait_for_function("window.__memkit.tableAt !== null", timeout=240_000)
+    app.get_by_text("Run: done").wait_for(timeout=30_000)
+    watch = page.evaluate("clearInterval(window.__memkit.timer), window.__memkit")
+    before_table = watch["seen"][: watch["tableAt"]]
+    # The live timeline grew while the run went on: each tracked step redraws it, growing, before the table lands.
+    assert _increases(before_table) >= 2, watch["seen"]
+
+    rows = app.locator(".memkit-table tbody th").all_inner_texts()
+    assert [r.strip() for r in rows] == ["baseline", f"checkpointing:{PATTERN}"]
+    assert app.locator(".memkit-table").inner_text().count("✓ pass") == 2  # outputs and gradients as the baseline
+
+    wide = page.evaluate(
+        """() => [...document.querySelectorAll('.jp-OutputArea-output')]
+              .filter(o => o.scrollWidth > o.clientWidth + 1)
+              .map(o => [o.scrollWidth, o.clientWidth, o.innerText.slice(0, 80)])"""
+    )
+    assert wide == [], f"outputs wider than the notebook: {wide}"
+
+    # The whole app on screen (JupyterLab scrolls inside the page, so an element taller than the window would be
+    # cut): a window as tall as the app, the app at its top.
+    height = app.evaluate("el => el.getBoundingClientRect().height")
+    page.set_viewport_size({"width": 1280, "height": int(height) + 200})
+    app.evaluate("el => el.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(1000)  # plotly redraws at the new size
+    shot = tmp_path / "playground.png"
+    app.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("MEMKIT_SCREENSHOT_DIR"):
+        out = Path(os.environ["MEMKIT_SCREENSHOT_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, out / "playground.png")
