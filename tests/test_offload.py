@@ -5,10 +5,13 @@ import copy
 import errno
 import json
 import os
+import time
 import warnings
+import weakref
 
 import pytest
 import torch
+from torch import nn
 
 import memkit
 from memkit.optimizations import _offload_store as store_mod
@@ -104,6 +107,124 @@ def test_training_keeps_only_the_groups_in_use():
     peak_params = max(tl.peak_by_category().get("parameter", 0), 0)
     resident = total - sum(g.nbytes for g in handle.offloader.groups)
     assert peak_params <= resident + 4 * biggest < total
+
+
+class _Stack(nn.Module):
+    """Six blocks of one layout (so one set of buffers fits every block), run in order with residuals."""
+
+    def __init__(self, n: int = 6, d: int = 16):
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_inference_reads_every_step_into_the_same_few_buffers(prefetch, tmp_path):
+    """Steady-state forwards allocate no weights: every block's weights sit in one of ``prefetch + 1`` sets of
+    buffers that stay alive across steps (reused, not freed and allocated again), never one still in use."""
+    ref = _Stack()
+    model, x = copy.deepcopy(ref), torch.randn(4, 16)
+    seen: list[tuple[int, weakref.ref]] = []
+    with Offload(to="disk", prefetch=prefetch, path=tmp_path).apply(model) as handle:
+        groups = handle.offloader.groups
+
+        def record(block, args):
+            mine = {p.data_ptr() for p in block.parameters()}
+            others = {t.data_ptr() for g in groups if g.real is not None and block not in g.modules for t in g.real}
+            assert mine.isdisjoint(others)  # another onloaded group's buffers are not this one's
+            seen.extend((p.data_ptr(), weakref.ref(p.untyped_storage())) for p in block.parameters())
+
+        hooks = [b.register_forward_pre_hook(record) for b in model.blocks]
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(model(x), ref(x))
+        for h in hooks:
+            h.remove()
+        assert len(seen) == 4 * sum(len(g.params) for g in groups)
+        assert len({ptr for ptr, _ in seen}) <= (prefetch + 1) * len(groups[0].params)
+        assert all(r() is not None for _, r in seen)  # alive in the pool: freed storages would be gone
+        assert handle.offloader.store.buffers.allocated <= prefetch + 1
+
+
+def _stack_loss(net: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "model":
+        return net(x).pow(2).mean()
+    out = x  # the blocks called one by one: no model forward, so no saved-tensor hooks; each linear saves a view
+    for b in net.blocks:  # of its weight itself, aliasing the buffer after the offloader has let the group go
+        out = out + b(out)
+    return out.pow(2).mean()
+
+
+@pytest.mark.parametrize("how", ["model", "blocks called directly"])
+def test_training_never_reuses_a_buffer_autograd_still_holds(how, tmp_path):
+    """3 steps (forward, backward, AdamW) equal the model in memory. Through the model the saved weights are
+    references (buffers get reused); called block by block, autograd keeps views of the buffers for the backward,
+    so the pool must leave those alone (reusing one would feed the backward another block's weights)."""
+    ref = _Stack()
+    model, x = copy.deepcopy(ref), torch.randn(4, 16)
+    with Offload(to="disk", prefetch=1, path=tmp_path).apply(model):
+        storages: list[set[int]] = []  # per step: where the blocks' last weights were read (saved by autograd)
+        hooks = [
+            b.register_forward_pre_hook(lambda b, a: storages[-1].add(b[-1].weight.data_ptr())) for b in model.blocks
+        ]
+        opts = [torch.optim.AdamW(net.parameters(), lr=1e-2) for net in (ref, model)]
+        for _ in range(3):
+            storages.append(set())
+            for net in (ref, model):
+                _stack_loss(net, x, how).backward()
+            assert _max_diff([p.grad for p in ref.parameters()], [p.grad for p in model.parameters()]) <= TOL
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            assert _max_diff([ref(x)], [model(x)]) <= TOL
+    assert _max_diff(list(ref.parameters()), list(model.parameters())) <= TOL
+    for step in storages:
+        if how == "model":
+            assert len(step) <= 2  # prefetch + 1 sets, reused block after block
+        else:
+            assert len(step) == len(model.blocks)  # all held by autograd until the backward: none reused
+
+
+def test_a_buffer_is_never_handed_out_while_a_read_ahead_or_its_caller_holds_it(monkeypatch, tmp_path):
+    """With the reader thread slow, buffers taken for reads in flight or still held are not given to the next
+    read; a set freed by its holder is."""
+    store = store_mod.DiskStore(torch.device("cpu"), tmp_path, buffers=2)
+    weights = {gid: [torch.full((64, 64), float(gid)), torch.full((64,), -float(gid))] for gid in range(4)}
+    for gid, tensors in weights.items():
+        store.save(gid, ["w", "b"], tensors)
+    fill = store._fill
+
+    def slow(gid, out):
+        time.sleep(0.05)  # still reading when the next reads take their buffers
+        return fill(gid, out)
+
+    def ptrs(tensors):
+        return {t.data_ptr() for t in tensors}
+
+    monkeypatch.setattr(store, "_fill", slow)
+    try:
+        ahead = [store.prefetch(0), store.prefetch(1)]  # the pool's two sets, both in flight
+        loaded = store.load(2)  # a third set: fresh
+        held = {gid: f.result() for gid, f in enumerate(ahead)}
+        held[2] = loaded
+        assert ptrs(held[0]).isdisjoint(ptrs(held[1])) and ptrs(held[2]).isdisjoint(ptrs(held[0]) | ptrs(held[1]))
+        last = ptrs(held[2])
+        del held[2], loaded  # its holder lets it go: the next read reuses it, not group 1's (still held)
+        held[3] = store.prefetch(3).result()
+        assert ptrs(held[3]) == last
+        for gid, tensors in held.items():
+            assert all(torch.equal(a, b) for a, b in zip(tensors, weights[gid], strict=True)), gid
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("to", ["disk", "cpu"])

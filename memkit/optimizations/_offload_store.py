@@ -1,7 +1,8 @@
 """Where :class:`memkit.Offload` keeps a group's weights while it is offloaded: CPU memory or a file per group.
 
-A store saves a group's tensors once (``save``), gives them back as fresh tensors (``load``, or ``prefetch``: the
-same, started now and waited for later), and takes changed values back (``write_back``). Files are safetensors
+A store saves a group's tensors once (``save``), gives them back (``load``, or ``prefetch``: the same, started now
+and waited for later), and takes changed values back (``write_back``). The disk store reads into a small pool of
+reused buffers (:class:`_Buffers`), so steady-state forwards allocate no weight memory. Files are safetensors
 (readable by ``safetensors.safe_open``), written to a temporary name and renamed into place, and checked on every
 read (header, names, dtypes, shapes, file size). Under ``FakeTensorMode`` (``memkit.estimate``) nothing is written
 or read: a load only allocates, so the estimate counts the onloaded groups.
@@ -14,6 +15,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,6 +36,7 @@ _DTYPES = {
     torch.bool: "BOOL",
 }
 _ALIGN = 8  # safetensors pads its header to 8 bytes
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: without it buffers are never reused
 
 
 class OffloadError(OSError):
@@ -53,6 +56,48 @@ class _Done:
 def _bytes_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, shared (bf16 has no numpy dtype: view it as bytes first)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _holders(t: torch.Tensor) -> int:
+    """References to the storage behind ``t``: one per tensor or view using it, one for its Python object."""
+    return _use_count(t.untyped_storage()._cdata)
+
+
+class _Buffers:
+    """Reused read buffers for the disk store: at most ``capacity`` groups' worth (``prefetch + 1``: the group
+    computing and those read ahead), each set keyed by its layout (every tensor's dtype and shape), least recently
+    used first. A set is handed out again only when nothing but the pool holds its storages: their use counts are
+    back to what they were when the pool made them. So not while the reader thread fills it, a group computes with
+    it, or autograd (a layer that saves its weight outside the offloader's saved-tensor hooks), an optimizer or
+    the caller keeps a tensor aliasing it: reusing it then would silently change their values. Such a set is left
+    alone and a fresh one allocated. The pool hands out new tensors on its storages (``detach()``), never its
+    own, so every holder is counted."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity if _use_count is not None else 0
+        self.sets: list[tuple[tuple, list[torch.Tensor], list[int]]] = []  # (layout, buffers, use counts when free)
+        self.lock = threading.Lock()
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> list[torch.Tensor]:
+        with self.lock:
+            for i, (k, bufs, free) in enumerate(self.sets):
+                if k == key and all(_holders(b) <= n for b, n in zip(bufs, free, strict=True)):
+                    self.sets.append(self.sets.pop(i))
+                    self.reused += 1
+                    return [b.detach() for b in bufs]
+            bufs = [torch.empty(shape, dtype=dtype) for dtype, shape in key]
+            self.allocated += 1
+            if self.capacity:
+                self.sets.append((key, bufs, [_holders(b) for b in bufs]))
+                if len(self.sets) > self.capacity:
+                    del self.sets[0]  # its holders keep it alive while they need it; the pool forgets it
+            return [b.detach() for b in bufs]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.sets.clear()
 
 
 class CudaStreams:
@@ -178,12 +223,14 @@ class FakeDiskStore:
 
 class DiskStore:
     """One safetensors file per group in a fresh folder (``tempfile.mkdtemp(prefix="memkit-offload-")`` under
-    ``path``): never another model's files. Reads run on one background thread for prefetches, into tensors
-    allocated on the calling thread (so a memory tracker sees them as they are made)."""
+    ``path``): never another model's files. Reads run on one background thread for prefetches, into buffers
+    taken on the calling thread (so a memory tracker sees them as they are made) from a pool of ``buffers`` groups'
+    worth that are reused once nobody holds them (:class:`_Buffers`). On an accelerator the pool's buffers are
+    the host side of the copy (pageable memory: the copy has read them when ``to()`` returns)."""
 
     kind = "disk"
 
-    def __init__(self, device: torch.device, path: str | os.PathLike | None):
+    def __init__(self, device: torch.device, path: str | os.PathLike | None, buffers: int = 2):
         self.device = device
         parent = os.fspath(path) if path is not None else None
         try:
@@ -200,6 +247,7 @@ class DiskStore:
         self.layout: dict[int, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.buffers = _Buffers(buffers)
         self._pool: ThreadPoolExecutor | None = None
 
     # -- writing -------------------------------------------------------------------------------------------
@@ -215,8 +263,12 @@ class DiskStore:
         self.bytes_written += os.path.getsize(self.files[gid])
 
     # -- reading -------------------------------------------------------------------------------------------
-    def _alloc(self, gid: int) -> list[torch.Tensor]:
-        out = [torch.empty(shape, dtype=dtype) for _, dtype, shape, _, _ in self.layout[gid]]
+    def _alloc(self, gid: int, reuse: bool = True) -> list[torch.Tensor]:
+        key = tuple((dtype, shape) for _, dtype, shape, _, _ in self.layout[gid])
+        if reuse:
+            out = self.buffers.take(key)
+        else:  # for the caller to keep (a state_dict, the weights after remove()): never a pool buffer
+            out = [torch.empty(shape, dtype=dtype) for dtype, shape in key]
         tag(out, "parameter")
         return out
 
@@ -253,15 +305,16 @@ class DiskStore:
         return self._pool.submit(self._fill, gid, out)
 
     def read(self, gid: int) -> list[torch.Tensor]:
-        return self.load(gid)
+        return self._fill(gid, self._alloc(gid, reuse=False))
 
     def restore(self, gid: int, current: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        return list(current) if current is not None else self.load(gid)
+        return list(current) if current is not None else self.read(gid)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self.buffers.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -121,17 +121,24 @@ class _Offloader:
         for g in self.groups:
             self.onload(g)
 
-    def prefetch_after(self, g: _Group, step: int) -> list[_Group]:
-        """Start loading the ``prefetch`` groups after ``g`` in the learned order (``step=-1``: before it)."""
+    def ahead_of(self, g: _Group, step: int) -> list[_Group]:
+        """The ``prefetch`` groups after ``g`` in the learned order (``step=-1``: before it)."""
         if self.order is None or not self.config.prefetch or g not in self.order:
             return []
         i = self.order.index(g)
         window = range(i + step, i + step * (self.config.prefetch + 1), step)
-        ahead = [self.order[j] for j in window if 0 <= j < len(self.order)]
+        return [self.order[j] for j in window if 0 <= j < len(self.order)]
+
+    def start(self, groups: Iterable[_Group]) -> None:
+        """Start loading ``groups`` in the background (those not onloaded or loading already)."""
         with self.lock:
-            for h in ahead:
+            for h in groups:
                 if h.real is None and h.gid not in self.prefetched:
                     self.prefetched[h.gid] = self.store.prefetch(h.gid)
+
+    def prefetch_after(self, g: _Group, step: int) -> list[_Group]:
+        ahead = self.ahead_of(g, step)
+        self.start(ahead)
         return ahead
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -152,10 +159,7 @@ class _Offloader:
         if self.order is None:
             self.seen = []
         elif self.order:
-            with self.lock:
-                for h in self.order[: self.config.prefetch]:
-                    if h.real is None and h.gid not in self.prefetched:
-                        self.prefetched[h.gid] = self.store.prefetch(h.gid)
+            self.start(self.order[: self.config.prefetch])
         if torch.is_grad_enabled():
             ctx = torch.autograd.graph.saved_tensors_hooks(*self._pack_unpack())
             ctx.__enter__()
@@ -199,8 +203,9 @@ class _Offloader:
         g = ref.group
         with self.lock:
             if g.real is None:
-                ahead = self.prefetch_after(g, -1)
-                self.offload_others(keep=[g, *ahead])
+                ahead = self.ahead_of(g, -1)
+                self.offload_others(keep=[g, *ahead])  # first, so the reads ahead can reuse their buffers
+                self.start(ahead)
                 self.onload(g)
             base = g.real[ref.index]
         return base.as_strided(ref.size, ref.stride, base.storage_offset() + ref.offset)

@@ -7,8 +7,10 @@ model of N blocks at ``blocks_per_group=1`` keeps about ``(1 + prefetch) / N`` o
 per backward in training), hidden behind compute when a group's bytes over the bandwidth take less time than
 its FLOPs over the throughput (prefetch makes that overlap); in training ``optimizer.step()`` onloads every
 group (the update needs the weights with their gradients and states) and changed weights are written back
-before the group is offloaded again, at the next forward. Does nothing for ``to="cpu"`` when the model computes
-on the CPU (its weights are in CPU memory already).
+before the group is offloaded again, at the next forward. ``to="disk"`` reads into ``prefetch + 1`` groups' worth
+of buffers reused from forward to forward (never one that autograd or anyone else still holds: then a fresh one),
+so a steady-state forward allocates no weights. Does nothing for ``to="cpu"`` when the model computes on the CPU
+(its weights are in CPU memory already).
 
 Training is correct: the tensors autograd saves that are views of offloaded weights are kept as references and
 rebuilt in the backward from the group, onloaded again in reverse order; ``state_dict()`` gives real values while
@@ -162,7 +164,7 @@ class Offload:
         if self.to == "cpu":
             store = HostStore(device)
         else:
-            store = FakeDiskStore(device) if fake else DiskStore(device, self.path)
+            store = FakeDiskStore(device) if fake else DiskStore(device, self.path, buffers=self.prefetch + 1)
         try:
             for g in groups:
                 store.save(g.gid, g.names, [p.detach() for p in g.params])
