@@ -6,11 +6,16 @@ Runs use tiny presets (milliseconds per step); the test that runs the full-size 
 from __future__ import annotations
 
 import html
+import json
+import re
+import shutil
+import subprocess
 import threading
 import time
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import plotly.graph_objects as go
@@ -451,3 +456,92 @@ def test_a_view_drawn_after_the_updates_starts_from_the_current_figure():
         w = holder.figure
         assert [(t["name"], len(t["x"])) for t in w._widget_data] == [(t.name, len(t.x)) for t in w.data]
         assert w._widget_layout["title"]["text"] == w.layout.title.text
+
+
+# The page code of LiveFigureWidget (figures.LOADER_ESM), run in Node against a stand-in for anywidget's side: a
+# model with `get`, and a stand-in for plotly's widget module that records what is called. Node imports data: URLs,
+# not blob: ones, so `URL.createObjectURL` gives one; `setTimeout` records its delays and fires at once.
+LOADER_HARNESS = r"""
+const delays = [];
+const realSetTimeout = globalThis.setTimeout;
+globalThis.setTimeout = (fn, ms) => { delays.push(ms); return realSetTimeout(fn, 0); };
+globalThis.Blob = class { constructor(parts) { this.text = parts.join(""); } };
+URL.createObjectURL = (blob) => "data:text/javascript;base64," + Buffer.from(blob.text).toString("base64");
+URL.revokeObjectURL = () => {};
+globalThis.calls = [];
+const plotly = `globalThis.calls.push("module evaluated");
+export default () => ({
+  initialize({ model }) { globalThis.calls.push("initialize " + model.name); },
+  render({ el, model }) { globalThis.calls.push("render " + model.name); el.drawn = model.name; return "cleanup"; },
+});`;
+const model = (name, version, source = plotly) => ({
+  name, get: (key) => ({ _plotly_version: version, _plotly_esm: source })[key],
+});
+const out = {};
+const loader = await import("data:text/javascript;base64," + Buffer.from(process.argv[2]).toString("base64"));
+const a = loader.default(), b = loader.default(), c = loader.default();
+out.initialize_returns = typeof a.initialize({ model: model("a", "7") });  // nothing for anywidget to wait on
+b.initialize({ model: model("b", "7") });
+c.initialize({ model: model("c", "8", "throw new Error('no plotly here')") });
+out.after_initialize = [...calls];  // initialize answered before plotly's module was even started
+const el = {}, el_c = {};
+out.render = await a.render({ model: model("a", "7"), el });
+await b.render({ model: model("b", "7"), el: {} });
+await c.render({ model: model("c", "8"), el: el_c });
+out.calls = calls;
+out.drawn = el.drawn;
+out.error_text = el_c.textContent;
+out.delays = delays;
+console.log(JSON.stringify(out));
+"""
+
+
+def test_live_figure_page_code_answers_at_once_and_draws_when_plotly_has_loaded(tmp_path):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("Node.js is not installed: the page code of the live figure cannot be run outside a browser")
+    harness = tmp_path / "harness.mjs"
+    harness.write_text(LOADER_HARNESS)
+    run = subprocess.run(
+        [node, str(harness), figures_module.LOADER_ESM], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["after_initialize"] == [] and out["initialize_returns"] == "undefined"
+    # plotly's module evaluated once per version (a, b share it), each model initialized, then drawn by plotly's view
+    assert out["calls"] == ["module evaluated", "initialize a", "initialize b", "render a", "render b"]
+    assert out["render"] == "cleanup" and out["drawn"] == "a"
+    assert "did not load" in out["error_text"] and "no plotly here" in out["error_text"]
+    # Started after anywidget's window for the widgets made beside it, read from anywidget's own page code
+    window = _anywidget_load_window_ms()
+    assert out["delays"] and min(out["delays"]) > window
+
+
+def _anywidget_load_window_ms() -> int:
+    import anywidget
+
+    static = Path(anywidget.__file__).parent / "labextension" / "static"
+    found = set()
+    for js in static.glob("*.js"):
+        text = js.read_text(errors="replace")
+        pattern = r"AbortSignal\.timeout\((\d+)\)\.addEventListener\([^)]*\)\s*\{[^}]*Failed to initialize model"
+        found |= {int(ms) for ms in re.findall(pattern, text)}
+    assert found, f"anywidget's model load timeout not found in {static}"
+    return max(found)
+
+
+def test_the_live_figure_is_plotlys_figurewidget_with_a_small_loader():
+    cls = figures_module.live_figure_class()
+    assert issubclass(cls, go.FigureWidget) and cls is figures_module.live_figure_class()
+    from plotly.basewidget import BaseFigureWidget
+
+    w = cls()
+    bundle = str(BaseFigureWidget._esm)
+    assert w._plotly_esm == bundle and len(bundle) > 1_000_000  # plotly's widget code rides along, whole
+    assert w._esm == figures_module.LOADER_ESM and len(w._esm) < 5_000  # what anywidget must load in its 2 s
+    import plotly
+
+    assert w._plotly_version == plotly.__version__
+    assert isinstance(figures_module.WidgetFigure().figure, cls)
+    plain = figures_module.WidgetFigure(figure_class=go.FigureWidget).figure
+    assert isinstance(plain, go.FigureWidget) and not isinstance(plain, cls)

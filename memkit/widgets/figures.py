@@ -5,6 +5,13 @@ figure re-displayed through an IPython display handle.
 5) it shows nothing, so there every update replaces a static figure in its output instead: no live zoom, the
 same pictures. :func:`figure_mode` decides, ``MEMKIT_PLAYGROUND_FIGURES=widget|display`` overrides it.
 
+The widget is :class:`LiveFigureWidget`, a ``go.FigureWidget`` whose page code loads plotly's own widget code
+without making the page drop updates. anywidget (0.11) gives a new widget's page code 2 s to load, and if it takes
+longer it drops every update sent to that widget from then on, for good; plotly's code is a 5 MB module, which a
+busy page (a step computing on the same cores, right after Run All displayed the app) parses in more than 2 s: the
+figure stays blank forever. Here the code anywidget loads is a few lines that start plotly's module (sent beside it,
+parsed once per page) and answer at once; the views wait for it and draw from the latest state.
+
 Example:
     >>> live = make_figure()              # FigureWidget or display handle, whichever renders here
     >>> live.show(memkit.plots.timeline_figure(tl))
@@ -21,7 +28,7 @@ from typing import Any, Literal
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-__all__ = ["DisplayFigure", "WidgetFigure", "figure_mode", "make_figure"]
+__all__ = ["DisplayFigure", "WidgetFigure", "figure_mode", "live_figure_class", "make_figure"]
 
 FigureMode = Literal["widget", "display"]
 ENV = "MEMKIT_PLAYGROUND_FIGURES"
@@ -70,6 +77,83 @@ def figure_mode(
     return "widget" if ok else "display"
 
 
+# The page code anywidget loads for a LiveFigureWidget: plotly's widget module (the `_plotly_esm` trait) is imported
+# once per page and version (`globalThis`), without holding up anywidget's start; each view waits for it, then
+# plotly's own view draws from the model's state as it is then (the kernel keeps `_widget_data` current).
+LOADER_ESM = """
+const modules = (globalThis.__memkitPlotlyWidget ??= new Map());
+// Parsing plotly's module holds the page for seconds when it is busy; started at once, it would eat into the 2 s
+// that anywidget gives the widgets created beside this one (the app makes its figures together). So it starts
+// after that window; the views draw then, and later figures find it parsed.
+const START_AFTER_MS = 2500;
+function plotlyWidget(model) {
+  const key = model.get("_plotly_version");
+  if (!modules.has(key)) {
+    const source = model.get("_plotly_esm");
+    const loading = new Promise((resolve) => setTimeout(resolve, START_AFTER_MS)).then(() => {
+      const url = URL.createObjectURL(new Blob([source], { type: "text/javascript" }));
+      return import(url).finally(() => URL.revokeObjectURL(url));
+    });
+    modules.set(key, loading);
+  }
+  return modules.get(key);
+}
+export default () => {
+  let ready;
+  return {
+    initialize({ model }) {
+      // Not awaited: anywidget takes the widget as ready now, so no update sent while plotly loads is dropped.
+      ready = plotlyWidget(model).then(async (mod) => {
+        const widget = typeof mod.default === "function" ? await mod.default() : mod.default;
+        await widget.initialize?.({ model });
+        return widget;
+      });
+      ready.catch((error) => console.error("[memkit] plotly's widget code did not load:", error));
+    },
+    async render({ model, el, signal }) {
+      let widget;
+      try {
+        widget = await ready;
+      } catch (error) {
+        el.textContent = "memkit: the figure cannot be drawn (plotly's widget code did not load: " + error + ")";
+        return;
+      }
+      return widget.render({ model, el, signal });
+    },
+  };
+};
+"""
+
+_live_class: type | None = None
+
+
+def live_figure_class() -> type:
+    """:class:`LiveFigureWidget`, made on first use (it needs plotly >= 6 and anywidget)."""
+    global _live_class
+    if _live_class is None:
+        import plotly
+        import traitlets
+        from plotly.basewidget import BaseFigureWidget
+
+        class LiveFigureWidget(go.FigureWidget):
+            """A ``go.FigureWidget`` that draws even when the page is too busy to load plotly's widget code in
+            anywidget's 2 s (see the module's docs): ``_esm`` is :data:`LOADER_ESM`, plotly's module rides along."""
+
+            _esm = LOADER_ESM
+            _plotly_esm = traitlets.Unicode(str(BaseFigureWidget._esm)).tag(sync=True)
+            _plotly_version = traitlets.Unicode(plotly.__version__).tag(sync=True)
+
+        LiveFigureWidget.__module__ = __name__
+        _live_class = LiveFigureWidget
+    return _live_class
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LiveFigureWidget":
+        return live_figure_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _blank(height: int) -> go.Figure:
     fig = go.Figure()
     fig.update_layout(template="plotly_white", height=height, margin={"t": 30, "b": 30, "l": 40, "r": 20})
@@ -90,9 +174,10 @@ class WidgetFigure:
 
     mode: FigureMode = "widget"
 
-    def __init__(self, height: int = 420) -> None:
+    def __init__(self, height: int = 420, *, figure_class: type | None = None) -> None:
         self.height = height
-        self.figure = go.FigureWidget(_blank(height))
+        # figure_class: the widget class (default LiveFigureWidget; the browser test compares go.FigureWidget)
+        self.figure = (figure_class or live_figure_class())(_blank(height))
         self.view = self.figure
         self.shown = 0
 
@@ -111,9 +196,9 @@ class WidgetFigure:
                 w.layout = fig.layout
             w.add_traces(list(fig.data))
         # A view drawn later starts from these two traits, which plotly fills only when the figure itself is
-        # displayed (here it is inside the app): without this, reloading the page, or a view whose widget code
-        # finished loading after these updates (anywidget loads it asynchronously, and plotly's model misses the
-        # messages sent before), shows the blank figure and can never apply the next updates to its traces.
+        # displayed (here it is inside the app): without this, reloading the page, or a view whose plotly code
+        # finished loading after these updates (LOADER_ESM: plotly's model listeners start only then), shows the
+        # blank figure and can never apply the next updates to its traces.
         if w.has_trait("_widget_data"):
             w._widget_data = copy.deepcopy(w._data)
             w._widget_layout = copy.deepcopy(w._layout_obj._props)

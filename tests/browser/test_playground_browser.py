@@ -62,7 +62,7 @@ def _free_port() -> int:
 class Lab:
     """A JupyterLab server on 127.0.0.1 with a token, serving ``root``; stopped by its PID."""
 
-    def __init__(self, root: Path, home: Path) -> None:
+    def __init__(self, root: Path, home: Path, startup: str | None = None) -> None:
         self.port, self.token = _free_port(), uuid.uuid4().hex
         settings = home / "settings"
         for name, values in SETTINGS.items():
@@ -72,6 +72,10 @@ class Lab:
         env = dict(os.environ, MEMKIT_SMOKE="1", JUPYTER_CONFIG_DIR=str(home / "config"))
         env.pop("PLOTLY_RENDERER", None)  # the browser's own renderer, as a user has it
         env["JUPYTER_RUNTIME_DIR"] = str(home / "runtime")
+        if startup:  # code each kernel runs first (IPython's startup folder, in a profile of its own)
+            env["IPYTHONDIR"] = str(home / "ipython")
+            (home / "ipython/profile_default/startup").mkdir(parents=True)
+            (home / "ipython/profile_default/startup/00-test.py").write_text(startup)
         args = [
             sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
             f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
@@ -161,54 +165,144 @@ def _increases(counts: list[int]) -> int:
     return sum(1 for a, b in zip(counts, counts[1:], strict=False) if b > a)
 
 
-def test_playground_notebook_runs_and_the_app_updates_live_in_a_browser(tmp_path):
+@pytest.fixture(scope="module")
+def chromium():
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
-    chromium = _chromium()
-    if chromium is None:
+    path = _chromium()
+    if path is None:
         pytest.skip("no Chromium found (Debian: apt-get install chromium; or set MEMKIT_CHROMIUM)")
-    root, home = tmp_path / "root", tmp_path / "home"
-    root.mkdir()
-    home.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
-    lab = Lab(root, home)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def lab(chromium, tmp_path):
+    """Start a JupyterLab serving a temporary folder with a copy of notebook 06: ``lab()`` or ``lab(startup=code)``."""
+    servers: list[Lab] = []
+
+    def start(startup: str | None = None) -> Lab:
+        root, home = tmp_path / "root", tmp_path / "home"
+        root.mkdir()
+        home.mkdir()
+        shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+        servers.append(Lab(root, home, startup))
+        servers[-1].wait_ready()
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _open(chromium, lab: Lab, name: str):
+    """A page with notebook ``name`` open, its kernel idle; the page's errors collected in ``page.errors``."""
+    page = chromium.new_page(viewport={"width": 1280, "height": 900})
+    page.errors = []  # the page's own errors, said when an assertion fails
+    page.on("pageerror", lambda e: page.errors.append(f"pageerror: {e}"))
+    page.on("console", lambda m: m.type == "error" and page.errors.append(f"console: {m.text[:300]}"))
+    # A workspace of its own: JupyterLab would reopen the notebooks of the page before beside it
+    page.goto(f"{lab.url}/lab/workspaces/{uuid.uuid4().hex[:8]}/tree/{name}?token={lab.token}")
+    page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    deadline = time.monotonic() + 60
+    while not any(s["path"].endswith(name) for s in lab.api("/api/sessions") or []) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lab.wait_kernel_idle()
+    page.wait_for_function(
+        "window.jupyterapp.shell.currentWidget.sessionContext?.session?.kernel?.status === 'idle'", timeout=60_000
+    )
+    return page
+
+
+# The page's CPU slowed this much (Chrome's throttling) while Run All shows the app, with
+# MEMKIT_BROWSER_THROTTLE=6: how the app's figures were left blank for good is timing (figures.py: anywidget drops
+# every update to a widget whose page code took over 2 s to load, and a busy page loads plotly's 5 MB in more than
+# that). Unthrottled, plotly's own FigureWidget stayed blank in 3 runs of 5 on a busy machine and 1 of 7 on a quieter
+# one; throttled 6x, in 2 runs of 3. Throttled runs take 3 minutes, so CI runs unthrottled.
+THROTTLE = int(os.environ.get("MEMKIT_BROWSER_THROTTLE", "1"))
+CODE_CELLS = sum(c["cell_type"] == "code" for c in json.loads(NOTEBOOK.read_text())["cells"])
+
+
+def _run_all_throttled(page, lab: Lab) -> list:
+    """Run All with the page's CPU throttled until the app's figures drew (or 3 minutes); their traces then."""
+    cdp = page.context.new_cdp_session(page)
+    if THROTTLE > 1:
+        cdp.send("Emulation.setCPUThrottlingRate", {"rate": THROTTLE})
     try:
-        lab.wait_ready()
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
-                errors: list[str] = []  # the page's own errors, said when an assertion fails
-                page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-                page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text[:300]}"))
-                page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}?token={lab.token}")
-                page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=60_000)
-                page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-                deadline = time.monotonic() + 60
-                while not lab.api("/api/sessions") and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                lab.wait_kernel_idle()
-                page.wait_for_function(
-                    "window.jupyterapp.shell.currentWidget.sessionContext?.session?.kernel?.status === 'idle'",
-                    timeout=60_000,
-                )
-                try:
-                    _run_all(page, lab)
-                    _check_the_app(page, tmp_path)
-                except Exception as e:
-                    e.add_note("page errors:\n" + "\n".join(errors[-20:]))
-                    e.add_note(f"plots (traces, points, width): {page.evaluate(PLOTS_JS)}")
-                    raise
-            finally:
-                browser.close()
+        _start_run_all(page)
+        page.wait_for_function(LIVE_DRAWN_JS, timeout=180_000)
+    except Exception as e:  # playwright's TimeoutError: left blank
+        if "Timeout" not in type(e).__name__:
+            raise
     finally:
-        lab.stop()
+        traces = page.evaluate(APP_TRACES_JS)
+        cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})
+    _wait_all_ran(page, lab)
+    return traces
 
 
-def _run_all(page, lab: Lab) -> None:
+# The traces of each plotly figure in the app (-1: not drawn yet), and "the live figure drew"
+APP_TRACES_JS = """() => {
+  const app = [...document.querySelectorAll('.jp-OutputArea-output')]
+    .find(o => o.innerText.includes('Live memory of the tracked step'));
+  return app ? [...app.querySelectorAll('.js-plotly-plot')].map(gd => gd.data ? gd.data.length : -1) : [];
+}"""
+LIVE_DRAWN_JS = f"() => (({APP_TRACES_JS})()[0] || 0) > 0"
+
+
+def test_playground_notebook_runs_and_the_app_updates_live_in_a_browser(chromium, lab, tmp_path):
+    server = lab()
+    page = _open(chromium, server, NOTEBOOK.name)
+    try:
+        traces = _run_all_throttled(page, server)
+        assert traces and traces[0] > 0, f"the app's live figure stayed blank on a busy page: traces {traces}"
+        _check_the_app(page, tmp_path)
+    except Exception as e:
+        e.add_note("page errors:\n" + "\n".join(page.errors[-20:]))
+        e.add_note(f"plots (traces, points, width): {page.evaluate(PLOTS_JS)}")
+        raise
+    finally:
+        page.close()
+
+
+# plotly's own FigureWidget in the app's place (a kernel startup file swaps the class), on demand: blank means the
+# page provoked the race, so the run of the test above on the same kind of page did prove the fix.
+CONTROL = (
+    "import plotly.graph_objects as go\n"
+    "import memkit.widgets.figures as f\n"
+    "f.live_figure_class = lambda: go.FigureWidget\n"
+)
+
+
+@pytest.mark.skipif(
+    os.environ.get("MEMKIT_BROWSER_CONTROL") != "1",
+    reason="the control (is plotly's own FigureWidget left blank on the same page?) runs with MEMKIT_BROWSER_CONTROL=1 "
+    "(and MEMKIT_BROWSER_THROTTLE=6)",
+)
+def test_control_plotlys_own_figurewidget_stays_blank_on_the_same_busy_page(chromium, lab):
+    server = lab(startup=CONTROL)
+    page = _open(chromium, server, NOTEBOOK.name)
+    try:
+        traces = _run_all_throttled(page, server)
+        assert traces and traces[0] <= 0, f"plotly's FigureWidget drew ({traces}): the race did not happen this run"
+    finally:
+        page.close()
+
+
+def _start_run_all(page) -> None:
+    """Run All, once the notebook's code cells are all on the page."""
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.jp-Notebook .jp-CodeCell').length === {CODE_CELLS}", timeout=60_000
+    )
     page.evaluate("window.jupyterapp.commands.execute('runmenu:run-all')")
-    cells = page.locator(".jp-Notebook .jp-CodeCell")
-    n = cells.count()
-    assert n >= 5
+
+
+def _wait_all_ran(page, lab: Lab) -> None:
+    """Returns when each code cell has run and none failed."""
     # Every code cell numbered (none waiting as [*] or never run), the kernel idle.
     page.wait_for_function(
         """() => {
@@ -236,15 +330,8 @@ def _check_the_app(page, tmp_path: Path) -> None:
     # In view, as a person watching it: plotly draws a figure once it is on screen.
     live = app.locator(".js-plotly-plot").first
     live.scroll_into_view_if_needed()
-    try:
-        page.wait_for_function("gd => gd.data && gd.data.length > 0", arg=live.element_handle(), timeout=30_000)
-    except Exception as e:  # playwright's TimeoutError
-        if "Timeout" not in type(e).__name__:
-            raise
-        # A known bug, not fixed yet (issue 11): after Run All in a fresh page, the app's FigureWidget views can
-        # stay blank and never take updates (3 of 5 runs here; no page error). Said as an expected failure, never
-        # passed; the runs where the views draw check everything below.
-        pytest.xfail("known bug: the app's live figure stayed blank after Run All (FigureWidget view never drew)")
+    # Drawn after Run All (it stayed blank for good when the page took over 2 s to load plotly's code: figures.py)
+    page.wait_for_function("gd => gd.data && gd.data.length > 0", arg=live.element_handle(), timeout=60_000)
     app.evaluate(WATCH_JS % f"checkpointing:{PATTERN}")
     # (by its text: the icon's glyph is part of the button's accessible name)
     app.locator("button.widget-button").filter(has_text="Run").click()
