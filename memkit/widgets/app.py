@@ -118,7 +118,7 @@ class Playground:
         for key, w in c.items():
             w.style.description_width = _LABEL_WIDTH
             if isinstance(w, widgets.ToggleButtons):
-                w.style.button_width = "78px"  # two fit beside the label in a grid cell (the default stacks them)
+                w.style.button_width = "86px"  # two fit beside the label in a grid cell, "inference" uncut
             w.layout = widgets.Layout(width="auto")  # one each: visibility is set per widget
             set_tooltip(w, tips[key])
             w.observe(lambda change, key=key: self._on_model(key, change["new"]), "value")
