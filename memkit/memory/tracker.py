@@ -224,10 +224,12 @@ class Tracker:
         self._host: dict[int, tuple[int, weakref.ref]] = {}  # storages created under off_device(): key -> bytes
         self._resized_role: dict[int, int] = {}  # storage resized to 0 -> its category, kept for when it regrows
         self._host_bytes = self._host_peak = 0
-        # host state (track(host=...), host_state(), a host optimizer's step): key -> [bytes, weakref, category]
-        self._kept: dict[int, list] = {}
-        self._kept_live: dict[str, int] = {}
-        self._kept_max: dict[str, int] = {}
+        # host state (track(host=...), host_state(), a host optimizer's step): storage key -> (bytes, weakref, id);
+        # its allocations and frees by id, and each id's category (the last one given counts from the allocation
+        # on, as a retag does on the timeline)
+        self._kept: dict[int, tuple[int, weakref.ref, int]] = {}
+        self._kept_events: list[tuple[int, int]] = []
+        self._kept_category: list[str] = []
         self._host_steps: list[bool] = []  # per running optimizer step: do all its parameters live in host memory?
         self._lower_bound: set[str] = set()  # ops that ran a kernel path whose internal buffers are not modelled
         self._devices: dict[torch.device | None, int] = {}
@@ -408,18 +410,25 @@ class Tracker:
         return _OFF_DEVICE.get() or _HOST_STATE.get() or bool(self._host_steps and self._host_steps[-1])
 
     def _keep(self, key: int, s: torch.UntypedStorage, n: int, category: str) -> None:
-        self._kept[key] = [n, weakref.ref(s, partial(self._on_kept_free, key)), category]
-        self._kept_add(category, n)
-
-    def _kept_add(self, category: str, n: int) -> None:
-        live = self._kept_live[category] = self._kept_live.get(category, 0) + n
-        if live > self._kept_max.get(category, 0):
-            self._kept_max[category] = live
+        ident = len(self._kept_category)
+        self._kept_category.append(category)
+        self._kept[key] = (n, weakref.ref(s, partial(self._on_kept_free, key)), ident)
+        self._kept_events.append((ident, n))
 
     def _on_kept_free(self, key: int, _ref=None) -> None:
         entry = self._kept.pop(key, None)
-        if entry is not None:
-            self._kept_live[entry[2]] -= entry[0]
+        if entry is not None and not self._closed:
+            self._kept_events.append((entry[2], -entry[0]))
+
+    def _host_state_bytes(self) -> dict[str, int]:
+        """Category -> the most host state of that category alive at once."""
+        live: dict[str, int] = {}
+        peak: dict[str, int] = {}
+        for ident, n in self._kept_events:
+            category = self._kept_category[ident]
+            live[category] = live.get(category, 0) + n
+            peak[category] = max(peak.get(category, 0), live[category])
+        return {c: n for c, n in peak.items() if n}
 
     def _in_host(self, t: torch.Tensor) -> bool:
         return any(inner.untyped_storage()._cdata in self._kept for inner in _plain(t))
@@ -500,10 +509,7 @@ class Tracker:
             key = s._cdata
             kept = self._kept.get(key)
             if kept is not None:  # host state keeps its bytes off the timeline, under the category it is given
-                if kept[2] != category:
-                    self._kept_live[kept[2]] -= kept[0]
-                    kept[2] = category
-                    self._kept_add(category, kept[0])
+                self._kept_category[kept[2]] = category
                 continue
             entry = self._live.get(key)
             if entry is not None:
@@ -617,7 +623,7 @@ class Tracker:
             self._handles.clear()
             self.timeline.meta["lower_bound_ops"] = sorted(self._lower_bound)
             self.timeline.meta["host_peak_bytes"] = self._host_peak
-            self.timeline.meta["host_state_bytes"] = {c: n for c, n in self._kept_max.items() if n}
+            self.timeline.meta["host_state_bytes"] = self._host_state_bytes()
             self.timeline._freeze()
             self._closed = True
             self._live.clear()  # drops the weakrefs, so no callback runs for storages that die later
