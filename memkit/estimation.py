@@ -44,7 +44,7 @@ from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order
 from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
-__all__ = ["estimate", "note_disk_memory", "note_host_memory", "planned_device"]
+__all__ = ["estimate", "noted_in_host", "note_disk_memory", "note_host_memory", "planned_device"]
 
 # (planned device, host tensors by category) while an estimate builds and steps its model
 _PLAN: contextvars.ContextVar[tuple[str, dict[str, list[torch.Tensor]], list[int]] | None] = contextvars.ContextVar(
@@ -76,6 +76,24 @@ def note_host_memory(category: str, tensors: Iterable[torch.Tensor]) -> None:
     plan = _PLAN.get()
     if plan is not None and plan[0] == "cuda":
         plan[1].setdefault(category, []).extend(tensors)
+
+
+def noted_in_host(tensors: Iterable[torch.Tensor]) -> bool:
+    """Inside an estimate for ``"cuda"``: True if every tensor's storage (a DTensor's: its local shard's) was
+    noted in host memory, e.g. parameters ``FSDP(cpu_offload=True)`` keeps on the CPU, which are CPU tensors on
+    a GPU machine too. Elsewhere: False.
+
+    Example:
+        >>> if noted_in_host(params): ...   # an EMA of them lives beside them, in host memory
+    """
+    from .memory.tracker import _plain
+
+    plan = _PLAN.get()
+    if plan is None or plan[0] != "cuda":
+        return False
+    noted = {inner.untyped_storage()._cdata for ts in plan[1].values() for t in ts for inner in _plain(t)}
+    inner = [x for t in tensors for x in _plain(t)]
+    return bool(inner) and all(x.untyped_storage()._cdata in noted for x in inner)
 
 
 def note_disk_memory(nbytes: int) -> None:

@@ -111,7 +111,8 @@ class FSDP:
     cpu_offload: bool = False
     """Keep rank 0's parameter shards, gradient shards and optimizer state in host memory (FSDP2's
     ``CPUOffloadPolicy``): in ``estimate(device="cuda")`` they leave the GPU's timeline for
-    ``timeline.meta["host_bytes"]``; the all-gathered parameters and activations stay on the GPU. Host memory is
+    ``timeline.meta["host_bytes"]``; the all-gathered parameters and activations stay on the GPU, an EMA's
+    shadows sit beside the shards (``host_bytes["ema"]``). Host memory is
     pinned on a GPU (``pin_memory=True``); the fake process group's mesh is a CPU one, where pinning needs an
     accelerator, so it is off there (the same bytes either way). On a CPU run (``device="cpu"``, or real
     tensors) host memory is the device's: nothing moves, and FSDP only takes its offload code path."""

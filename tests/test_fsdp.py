@@ -351,6 +351,20 @@ def test_cpu_offload_copies_each_shard_to_the_gpu_for_its_all_gather():
     assert not rows["op"].str.contains("clone").any()  # shards already on the GPU: no copy
 
 
+def test_an_ema_of_cpu_offloaded_shards_lives_beside_them_in_host_memory():
+    n = 2
+    tl = memkit.estimate(
+        PRESET,
+        size="tiny",
+        optimizer="adamw",
+        device="cuda",
+        optimizations=[memkit.EMA()],
+        parallel=memkit.FSDP(world_size=n, cpu_offload=True),
+    )
+    assert tl.meta["host_bytes"]["ema"] == _shard_bytes(list(_tiny().parameters()), n)
+    assert _live_max(tl, "ema") == 0 and tl.baseline_by_category["ema"] == 0
+
+
 def test_group_offload_is_refused_with_fsdp_pointing_to_its_cpu_offload(tmp_path):
     fsdp = memkit.FSDP(world_size=2)
     offload = memkit.Offload(to="disk", path=tmp_path)
