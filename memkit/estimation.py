@@ -15,8 +15,11 @@ State an optimization keeps in host memory while the parameters are on the accel
 :func:`planned_device` to know its fake CPU parameters stand for ``"cuda"`` ones and marks that state with
 :func:`note_host_memory`; tensors made during the step that leave the device (checkpoint inputs offloaded by
 ``Checkpointing(provider="offload")``) are made under :func:`memkit.memory.off_device`.
-``timeline.meta["host_bytes"]`` reports both by category; weights an ``Offload(to="disk")`` keeps on disk are
-noted with :func:`note_disk_memory` and reported in ``timeline.meta["disk_bytes"]``.
+``timeline.meta["host_bytes"]`` reports both by category. FSDP's CPU offload (``memkit.FSDP(cpu_offload=True)``)
+notes its parameter shards the same way; the tracker then keeps their gradients and the optimizer's state and
+step (which runs on the host) off the device too (:func:`memkit.memory.host_state`). Weights an
+``Offload(to="disk")`` keeps on disk are noted with :func:`note_disk_memory` and reported in
+``timeline.meta["disk_bytes"]``.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ from .memory.events import CUDA_BLOCK
 from .memory.timeline import Timeline
 from .memory.tracker import track
 from .models import _default_dtype, load_model, make_inputs
-from .parallel import FSDP, on_local_shards, sharded_order
+from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order
 from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
-__all__ = ["estimate", "note_disk_memory", "note_host_memory", "planned_device"]
+__all__ = ["estimate", "noted_in_host", "note_disk_memory", "note_host_memory", "planned_device"]
 
 # (planned device, host tensors by category) while an estimate builds and steps its model
 _PLAN: contextvars.ContextVar[tuple[str, dict[str, list[torch.Tensor]], list[int]] | None] = contextvars.ContextVar(
@@ -73,6 +76,24 @@ def note_host_memory(category: str, tensors: Iterable[torch.Tensor]) -> None:
     plan = _PLAN.get()
     if plan is not None and plan[0] == "cuda":
         plan[1].setdefault(category, []).extend(tensors)
+
+
+def noted_in_host(tensors: Iterable[torch.Tensor]) -> bool:
+    """Inside an estimate for ``"cuda"``: True if every tensor's storage (a DTensor's: its local shard's) was
+    noted in host memory, e.g. parameters ``FSDP(cpu_offload=True)`` keeps on the CPU, which are CPU tensors on
+    a GPU machine too. Elsewhere: False.
+
+    Example:
+        >>> if noted_in_host(params): ...   # an EMA of them lives beside them, in host memory
+    """
+    from .memory.tracker import _plain
+
+    plan = _PLAN.get()
+    if plan is None or plan[0] != "cuda":
+        return False
+    noted = {inner.untyped_storage()._cdata for ts in plan[1].values() for t in ts for inner in _plain(t)}
+    inner = [x for t in tensors for x in _plain(t)]
+    return bool(inner) and all(x.untyped_storage()._cdata in noted for x in inner)
 
 
 def note_disk_memory(nbytes: int) -> None:
@@ -156,18 +177,23 @@ def estimate(
         steps: run this many steps and measure the last, so state that lives across steps (optimizer state,
             accumulated gradients) is counted.
         device: the device being estimated: ``"cpu"`` or ``"cuda"`` (adds the CUDA allocator's 512-byte
-            rounding, drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA).
+            rounding, drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA, except
+            for an optimizer FSDP's CPU offload runs on the CPU).
         progress: show a progress bar (build, then each step); None shows it for full-size presets, which
             take ~10–30 s.
         parallel: a :class:`memkit.FSDP`: the timeline of rank 0 of a fully sharded run over its world size
             (torch's FSDP2 on a fake process group, started for the estimate and ended after it unless one is
             running). The optimizations are applied before the sharding, an EMA after it (on the shards).
+            ``memkit.Offload`` is refused with it: FSDP's own ``FSDP(cpu_offload=True)`` is the offload that
+            composes with sharding.
 
     Returns the :class:`Timeline` of the last step; ``timeline.meta`` holds the settings, the parameter count,
     ``host_bytes`` (category -> bytes the optimizations keep in host memory, off a ``"cuda"`` peak: an
     offloaded EMA's shadows, the most offloaded checkpoint inputs alive at once as ``"activation"``, offloaded
-    weights as ``"parameter"``), ``disk_bytes`` (weights ``Offload(to="disk")`` keeps on disk) and the seconds
-    the estimate took.
+    weights as ``"parameter"``; under ``FSDP(cpu_offload=True)`` rank 0's parameter shards as ``"parameter"``,
+    the most gradient shards, optimizer state and host-side optimizer temporaries alive at once as
+    ``"gradient"``, ``"optimizer_state"``, ``"temporary"``), ``disk_bytes`` (weights ``Offload(to="disk")``
+    keeps on disk) and the seconds the estimate took.
 
     Example:
         >>> tl = memkit.estimate("flux", dtype=torch.bfloat16, optimizations=[memkit.Checkpointing()])
@@ -195,6 +221,8 @@ def estimate(
         raise TypeError(f"parallel must be a memkit.FSDP or None, got {type(parallel).__name__}")
     if any(isinstance(o, FSDP) for o in optimizations):
         raise ValueError("pass memkit.FSDP as parallel=..., not among the optimizations of an estimate")
+    if parallel is not None:
+        refuse_group_offload(optimizations)
 
     t0 = time.perf_counter()
     plans = []
@@ -204,7 +232,10 @@ def estimate(
             seed=seed, parallel=parallel, **sizes,
         )  # fmt: skip
     cuda = device == "cuda"
-    if step.foreach is None and cuda and step.optimizer is not None:  # torch's default on CUDA
+    # torch's default on CUDA; with FSDP's CPU offload the optimizer steps on CPU tensors, where its default is the
+    # per-parameter loop (what estimating on CPU tensors gives by itself)
+    host_optimizer = parallel is not None and parallel.cpu_offload
+    if step.foreach is None and cuda and step.optimizer is not None and not host_optimizer:
         step = Step(mode=step.mode, optimizer=step.optimizer, steps=step.steps, foreach=True)
     if progress is None:
         progress = isinstance(model, str) and size == "full"
@@ -245,12 +276,14 @@ def estimate(
                 inputs=kwargs,
                 alloc_granularity=granularity,
                 device=device if cuda else None,
+                host=host,  # before the model: FSDP's offloaded shards are its parameters
                 **objects,
             ) as timeline:
                 runner.run(kwargs)
             bar.update()
         params = sum(p.numel() for p in net.parameters())
-        host_bytes = {c: sum(_storage_keys(ts).values()) for c, ts in host.items()}
+        # noted state (the most alive at once: gradients and optimizer state of a host optimizer come and go)
+        host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
     timeline.meta.update(

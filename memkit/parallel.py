@@ -10,7 +10,9 @@ other ranks' data is never there, so outputs and gradients are not those of the 
 What the categories mean under FSDP2 (see ``memkit/memory/fsdp.py`` for how the tracker knows them):
 ``parameter``, ``gradient`` and ``optimizer_state`` are rank 0's shards (1/N of the model each, plus padding
 to a multiple of N rows); ``unsharded_parameter`` is the full parameters of the blocks all-gathered at the
-moment; ``collective`` the all-gather and reduce-scatter buffers in flight.
+moment; ``collective`` the all-gather and reduce-scatter buffers in flight. With ``cpu_offload=True`` in an
+estimate for ``"cuda"`` the three sharded categories are in host memory (``timeline.meta["host_bytes"]``), and
+``collective`` also holds the shards copied to the GPU for each all-gather.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .handle import Handle
 
-__all__ = ["FSDP", "fake_process_group", "on_local_shards", "sharded_order"]
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["FSDP", "fake_process_group", "on_local_shards", "refuse_group_offload", "sharded_order"]
 
 
 @contextlib.contextmanager
@@ -73,6 +78,11 @@ class FSDP:
     activations: those are per-GPU already (checkpointing cuts them). At ``world_size=1`` it only adds the
     unsharded copies and buffers: use it to see the layout, not to save memory.
 
+    ``cpu_offload=True`` (FSDP2's ``CPUOffloadPolicy``) moves the shards themselves to host memory: parameters,
+    gradients and optimizer state leave the GPU (the optimizer steps on the CPU), which pays in PCIe traffic
+    (each shard copied to the GPU before every all-gather, each gradient shard back after its reduce-scatter)
+    and a CPU optimizer step. It is the offload that composes with FSDP (``memkit.Offload`` does not).
+
     In :func:`memkit.estimate` pass it as ``parallel=``; on real tensors apply it after checkpointing and the FF
     split (they change the blocks FSDP wraps) and before an EMA (whose shadows then live on the shards):
     :func:`sharded_order` does that. ``compare`` does not take it: rank 0 holds only its shard of the values,
@@ -92,22 +102,37 @@ class FSDP:
     """Free each block's unsharded parameters after its forward and all-gather them again for its backward
     (FSDP2's default, ZeRO-3). False keeps them from forward to backward (ZeRO-2: more memory, fewer
     all-gathers). The root module keeps its own parameters unsharded until backward either way."""
-    mixed_precision: torch.dtype | None = None
+    mixed_precision: torch.dtype | MixedPrecisionPolicy | None = None
     """Dtype of the unsharded parameters (all-gathered and computed in it, e.g. ``torch.bfloat16`` with fp32
     shards), with gradients reduced in float32: FSDP2's ``MixedPrecisionPolicy(param_dtype=...,
-    reduce_dtype=torch.float32)``. None: the parameters' own dtype throughout."""
+    reduce_dtype=torch.float32)``. Or a ``torch.distributed.fsdp.MixedPrecisionPolicy``, passed to
+    ``fully_shard`` as given (``reduce_dtype=torch.bfloat16`` halves the reduce-scatter buffers of fp32
+    gradients). None: the parameters' own dtype throughout."""
+    cpu_offload: bool = False
+    """Keep rank 0's parameter shards, gradient shards and optimizer state in host memory (FSDP2's
+    ``CPUOffloadPolicy``): in ``estimate(device="cuda")`` they leave the GPU's timeline for
+    ``timeline.meta["host_bytes"]``; the all-gathered parameters and activations stay on the GPU, an EMA's
+    shadows sit beside the shards (``host_bytes["ema"]``). Host memory is
+    pinned on a GPU (``pin_memory=True``); the fake process group's mesh is a CPU one, where pinning needs an
+    accelerator, so it is off there (the same bytes either way). On a CPU run (``device="cpu"``, or real
+    tensors) host memory is the device's: nothing moves, and FSDP only takes its offload code path."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
-        if self.mixed_precision is not None and (
-            not isinstance(self.mixed_precision, torch.dtype) or not self.mixed_precision.is_floating_point
+        if not isinstance(self.cpu_offload, bool):
+            raise ValueError(f"cpu_offload must be True or False, got {self.cpu_offload!r}")
+        mp = self.mixed_precision
+        if (
+            mp is not None
+            and not isinstance(mp, _mp_policy_class())
+            and (not isinstance(mp, torch.dtype) or not mp.is_floating_point)
         ):
             raise ValueError(
-                "mixed_precision must be None or a floating torch.dtype (torch.bfloat16, torch.float16, "
-                f"torch.float32), got {self.mixed_precision!r}"
+                "mixed_precision must be None, a floating torch.dtype (torch.bfloat16, torch.float16, "
+                f"torch.float32) or a torch.distributed.fsdp.MixedPrecisionPolicy, got {mp!r}"
             )
 
     def process_group(self) -> contextlib.AbstractContextManager:
@@ -122,22 +147,35 @@ class FSDP:
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        from .optimizations.offload import _owner
+
+        if any(_owner(p) is not None for p in model.parameters()):
+            raise ValueError(f"model: {_GROUP_OFFLOAD}")
         session = contextlib.ExitStack()
         if mesh is None:
             mesh = session.enter_context(self.process_group())
         saved = {m: (m.__class__, _shallow_dict(m)) for m in model.modules()}
-        mp = (
-            MixedPrecisionPolicy(param_dtype=self.mixed_precision, reduce_dtype=torch.float32)
-            if self.mixed_precision is not None
-            else MixedPrecisionPolicy()
-        )
-        kwargs = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": mp}
+        mp = self.mixed_precision
+        if mp is None:
+            mp = MixedPrecisionPolicy()
+        elif isinstance(mp, torch.dtype):
+            mp = MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if self.cpu_offload else OffloadPolicy()
+        kwargs = {
+            "mesh": mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": mp,
+            "offload_policy": offload,
+        }
+        hooks: list = []
         try:
             for block in _blocks(model):
                 fully_shard(block, **kwargs)
             fully_shard(model, **kwargs)
+            if self.cpu_offload:
+                hooks = _offload_to_host(model)
         except BaseException:
             _restore(saved)
             session.close()
@@ -145,6 +183,8 @@ class FSDP:
 
         def undo() -> None:
             try:
+                for h in hooks:
+                    h.remove()
                 _restore(saved)
             finally:
                 session.close()
@@ -153,9 +193,68 @@ class FSDP:
 
     def __str__(self) -> str:
         extra = "" if self.reshard_after_forward else ",keep-unsharded"
-        if self.mixed_precision is not None:
-            extra += f",{str(self.mixed_precision).replace('torch.', '')}"
+        mp = self.mixed_precision
+        if isinstance(mp, torch.dtype):
+            extra += f",{_dtype_name(mp)}"
+        elif mp is not None:
+            extra += f",param={_dtype_name(mp.param_dtype)},reduce={_dtype_name(mp.reduce_dtype)}"
+        if self.cpu_offload:
+            extra += ",cpu-offload"
         return f"fsdp:{self.world_size}{extra}"
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "same" if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _mp_policy_class() -> type:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy
+
+
+_GROUP_OFFLOAD = (
+    "memkit.Offload (group offloading) and memkit.FSDP do not compose: Offload moves whole blocks' parameters on "
+    "and off the device, FSDP2 replaces them by shards it gathers itself. Use FSDP's own CPU offload, "
+    "parallel=memkit.FSDP(..., cpu_offload=True): the shards, their gradients and the optimizer state in host memory"
+)
+
+
+def refuse_group_offload(optimizations) -> None:
+    """Raise the error that says why ``memkit.Offload`` among ``optimizations`` cannot go with ``memkit.FSDP``."""
+    from .optimizations.offload import Offload
+
+    if any(isinstance(o, Offload) for o in optimizations):
+        raise ValueError(f"optimizations: {_GROUP_OFFLOAD}")
+
+
+def _offload_to_host(model: torch.nn.Module) -> list:
+    """With CPU offload, note rank 0's shards as host memory for an estimate for ``"cuda"`` (nothing elsewhere),
+    and hook each shard so that its gradient, which FSDP2 copies to the host after the reduce-scatter (a no-op
+    on a CPU mesh), is a host copy while a tracker holds the shard in host memory."""
+    from .memory.tracker import host_state, in_host_state
+
+    params = [fp for m in model.modules() for fp in _fsdp_params(m)]
+    estimation = sys.modules.get("memkit.estimation")  # importing it would pull in diffusers
+    if estimation is not None:
+        estimation.note_host_memory("parameter", [fp._sharded_param_data for fp in params])
+
+    def to_host(param: torch.Tensor) -> None:
+        grad = param.grad
+        local = getattr(grad, "_local_tensor", None)
+        if local is not None and in_host_state(param) and not in_host_state(local):
+            with host_state():  # the device copy (FSDP's reduce-scatter output) dies with its last view
+                grad._local_tensor = local.clone()
+
+    # FSDP2 runs a shard's post-accumulate-grad hooks itself once its gradient is set; these come before a
+    # tracker's (registered when tracking starts), so the tracker sees the host copy
+    return [fp.sharded_param.register_post_accumulate_grad_hook(to_host) for fp in params]
+
+
+def _fsdp_params(module: torch.nn.Module) -> list:
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+    return list(group.fsdp_params) if group is not None else []
 
 
 @dataclass(frozen=True)
@@ -182,6 +281,7 @@ def sharded_order(optimizations, fsdp: FSDP, mesh: Any = None) -> list:
     from .optimizations.ema import EMA
 
     optimizations = list(optimizations)
+    refuse_group_offload(optimizations)
     first_ema = next((i for i, o in enumerate(optimizations) if isinstance(o, EMA)), len(optimizations))
     sharding = _Sharding(fsdp, mesh) if mesh is not None else fsdp
     return [*optimizations[:first_ema], sharding, *optimizations[first_ema:]]

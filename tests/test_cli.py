@@ -79,10 +79,13 @@ def test_estimate_fsdp_is_the_library_s_parallel_estimate(capsys):
     assert result["peak_bytes"] == timeline.peak_bytes
     assert result["peak_by_category"] == timeline.peak_by_category()
     argv = ["estimate", "flux", "--size", "tiny", "--fsdp", "2", "--fsdp-keep-unsharded", "--optimizer", "none"]
-    code, out, err = _run(capsys, *argv)
+    code, out, err = _run(capsys, *argv, "--fsdp-cpu-offload")
     assert code == 0, err
     # no optimizer: the peak is in backward, where every block's gathered copy is still kept
-    assert "sharded: fsdp:2,keep-unsharded (FSDP2)" in out and "unsharded_parameter" in out
+    assert "sharded: fsdp:2,keep-unsharded,cpu-offload (FSDP2)" in out and "unsharded_parameter" in out
+    # the shards and their gradients in CPU memory, listed apart from the GPU's peak
+    host = out[out.index("in CPU memory, off the GPU peak") :]
+    assert "parameter" in host and "gradient" in host
 
 
 def test_estimate_table_with_checkpointing_defaults_to_cuda(capsys):
@@ -193,6 +196,8 @@ def test_checkpointing_auto_fits_a_budget(capsys):
         (["report", PRESET, "--size", "full"], "invalid choice"),
         (["estimate", PRESET, "--fsdp", "0"], "--fsdp takes the number of GPUs"),
         (["estimate", PRESET, "--fsdp-keep-unsharded"], "go with --fsdp N"),
+        (["estimate", PRESET, "--fsdp-cpu-offload"], "--fsdp-cpu-offload go with --fsdp N"),
+        (["estimate", PRESET, "--offload", "cpu", "--fsdp", "2"], "parallel=memkit.FSDP(..., cpu_offload=True)"),
     ],
 )
 def test_bad_input_exits_2(capsys, argv, message):

@@ -81,8 +81,9 @@ def _end(tl: memkit.Timeline) -> dict[str, int]:
         ({"world_size": True}, "world_size must be an int >= 1"),
         ({"world_size": "8"}, "world_size must be an int >= 1"),
         ({"reshard_after_forward": 1}, "reshard_after_forward must be True or False"),
-        ({"mixed_precision": torch.int8}, "mixed_precision must be None or a floating torch.dtype"),
-        ({"mixed_precision": "bf16"}, "mixed_precision must be None or a floating torch.dtype"),
+        ({"mixed_precision": torch.int8}, "mixed_precision must be None, a floating torch.dtype"),
+        ({"mixed_precision": "bf16"}, "mixed_precision must be None, a floating torch.dtype"),
+        ({"cpu_offload": 1}, "cpu_offload must be True or False, got 1"),
     ],
 )
 def test_fsdp_refuses_bad_arguments_by_name(kwargs, message):
@@ -97,6 +98,7 @@ def test_fsdp_is_keyword_only_frozen_and_named():
     with pytest.raises(AttributeError):
         f.world_size = 2  # type: ignore[misc]
     assert str(f) == "fsdp:4,keep-unsharded,bfloat16"
+    assert str(memkit.FSDP(world_size=2, cpu_offload=True)) == "fsdp:2,cpu-offload"
     assert "FSDP" in memkit.__all__ and memkit.FSDP is memkit.parallel.FSDP
 
 
@@ -217,6 +219,23 @@ def test_mixed_precision_gathers_in_bf16():
     assert _live_max(tl, "unsharded_parameter") <= _padded_bytes(bf16, n)
 
 
+def test_a_mixed_precision_policy_is_passed_as_given():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    fsdp = memkit.FSDP(world_size=2, mixed_precision=policy)
+    assert str(fsdp) == "fsdp:2,param=bfloat16,reduce=bfloat16"
+    model = _tiny()
+    with fsdp.apply(model):
+        assert model._get_fsdp_state()._mp_policy == policy
+        assert all(b._get_fsdp_state()._mp_policy == policy for b in _blocks(model))
+    # gradients reduced in bf16: the reduce-scatter buffers shrink; the gradient shards are fp32 all the same
+    n = 2
+    bf16, fp32 = _fake(n, mixed_precision=policy), _fake(n, mixed_precision=torch.bfloat16)
+    assert _live_max(bf16, "gradient") == _live_max(fp32, "gradient") == _shard_bytes(list(model.parameters()), n)
+    assert _live_max(bf16, "collective") < _live_max(fp32, "collective")
+
+
 # ---- composition ------------------------------------------------------------------------------------------------
 def test_checkpointing_composes_with_fsdp():
     n = 2
@@ -242,6 +261,121 @@ def test_ff_split_composes_with_fsdp():
     fake, real = _fake(n, optimizations=split), _real(n, optimizations=split)
     assert fake.peak_bytes == real.peak_bytes
     assert fake.baseline_by_category["parameter"] == _shard_bytes(list(_tiny().parameters()), n)
+
+
+# ---- FSDP's own CPU offload ------------------------------------------------------------------------------------
+def _gpu_bytes(nbytes: int) -> int:
+    """A storage on the GPU: the caching allocator hands out multiples of 512 bytes."""
+    return -(-nbytes // 512) * 512
+
+
+def _cuda_plan(n: int, *, real: bool = False, **kwargs) -> memkit.Timeline:
+    """Rank 0 planned for a GPU, AdamW with foreach as on CUDA; ``real``: the same on real CPU tensors, under the
+    plan an estimate makes (its fake CPU tensors stand for GPU ones, so do these)."""
+    from memkit.estimation import _planning
+
+    key = ("cuda", real, n, tuple(sorted(kwargs.items())))
+    if key in _cache:
+        return _cache[key]
+    fsdp = memkit.FSDP(world_size=n, **kwargs)
+    # AdamW as torch runs it: foreach on the GPU; with CPU offload on CPU tensors, where torch loops (as estimate does)
+    step = Step(optimizer="adamw", steps=2, foreach=None if fsdp.cpu_offload else True)
+    if not real:
+        _cache[key] = memkit.estimate(PRESET, size="tiny", step=step, device="cuda", parallel=fsdp)
+        return _cache[key]
+    with _planning("cuda") as host:
+        model = _tiny()
+        inputs = memkit.make_inputs(model)
+        with fsdp.apply(model) as handle:
+            runner = step.bind(model, handle)
+            runner.run(inputs)
+            objects = runner.tracked_objects()
+            with track(inputs=inputs, alloc_granularity=512, device="cuda", host=host, **objects) as tl:
+                runner.run(inputs)
+    _cache[key] = tl
+    return tl
+
+
+def test_cpu_offload_on_a_cpu_estimate_equals_the_real_run_and_moves_nothing():
+    # On a CPU, host memory is the device's: FSDP takes its offload path, the shards stay in the timeline.
+    n = 1
+    fake, real = _fake(n, cpu_offload=True), _real(n, cpu_offload=True)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.peak_by_category() == real.peak_by_category()
+    assert fake.baseline_by_category == real.baseline_by_category and len(fake) == len(real)
+    params = list(_tiny().parameters())
+    assert fake.baseline_by_category["parameter"] == _shard_bytes(params, n)
+    assert fake.meta["host_bytes"] == {} and fake.meta["parallel"] == "fsdp:1,cpu-offload"
+
+
+def test_cpu_offload_planned_for_a_gpu_equals_the_real_run():
+    fake, real = _cuda_plan(2, cpu_offload=True), _cuda_plan(2, cpu_offload=True, real=True)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.peak_by_category() == real.peak_by_category()
+    assert fake.baseline_by_category == real.baseline_by_category and len(fake) == len(real)
+    assert fake.meta["host_bytes"] == real.meta["host_state_bytes"]
+
+
+def test_cpu_offload_keeps_rank_0s_shards_in_host_memory_and_off_the_gpu_peak():
+    n = 2
+    params = list(_tiny().parameters())
+    shards = [_shard_bytes([p], n) for p in params]
+    on_gpu, offloaded = _cuda_plan(n), _cuda_plan(n, cpu_offload=True)
+    host = offloaded.meta["host_bytes"]
+    # in host memory, unrounded: the parameter shards, every gradient shard once backward is done, AdamW's state
+    assert host["parameter"] == host["gradient"] == sum(shards)
+    assert host["optimizer_state"] == 2 * sum(shards) + 4 * len(params)
+    for category in ("parameter", "gradient", "optimizer_state"):
+        assert _live_max(offloaded, category) == 0 and offloaded.baseline_by_category[category] == 0
+    # without offload the GPU holds them, each storage rounded to 512 bytes (AdamW's 0-dim step too)
+    assert on_gpu.baseline_by_category["parameter"] == sum(_gpu_bytes(s) for s in shards)
+    assert on_gpu.baseline_by_category["optimizer_state"] == sum(2 * _gpu_bytes(s) + 512 for s in shards)
+    assert on_gpu.meta["host_bytes"] == {}
+    # so the GPU peak drops by at least the parameter and optimizer-state shards (and the gradients there then)
+    states = sum(3 * _gpu_bytes(s) + 512 for s in shards)
+    assert on_gpu.peak_bytes - offloaded.peak_bytes >= states
+    # what FSDP gathers and what the step computes stay on the GPU
+    for category in ("unsharded_parameter", "activation"):
+        assert _live_max(offloaded, category) == _live_max(on_gpu, category)
+
+
+def test_cpu_offload_copies_each_shard_to_the_gpu_for_its_all_gather():
+    # A GPU's FSDP copies the host shard to the device before each all-gather (on a CPU mesh ``.to`` is a no-op, so
+    # memkit makes that copy): in forward every parameter is gathered once, so once each padded shard.
+    n = 2
+    params = list(_tiny().parameters())
+    rows = _cuda_plan(n, cpu_offload=True).to_pandas().query("category == 'collective' and action == 'alloc'")
+    copies = rows[rows["op"].str.contains("clone")]
+    assert copies["bytes"][copies["phase"] == "forward"].sum() == sum(_gpu_bytes(_shard_bytes([p], n)) for p in params)
+    rows = _cuda_plan(n).to_pandas().query("category == 'collective' and action == 'alloc'")
+    assert not rows["op"].str.contains("clone").any()  # shards already on the GPU: no copy
+
+
+def test_an_ema_of_cpu_offloaded_shards_lives_beside_them_in_host_memory():
+    n = 2
+    tl = memkit.estimate(
+        PRESET,
+        size="tiny",
+        optimizer="adamw",
+        device="cuda",
+        optimizations=[memkit.EMA()],
+        parallel=memkit.FSDP(world_size=n, cpu_offload=True),
+    )
+    assert tl.meta["host_bytes"]["ema"] == _shard_bytes(list(_tiny().parameters()), n)
+    assert _live_max(tl, "ema") == 0 and tl.baseline_by_category["ema"] == 0
+
+
+def test_group_offload_is_refused_with_fsdp_pointing_to_its_cpu_offload(tmp_path):
+    fsdp = memkit.FSDP(world_size=2)
+    offload = memkit.Offload(to="disk", path=tmp_path)
+    with pytest.raises(ValueError, match=r"optimizations: memkit\.Offload .*cpu_offload=True"):
+        memkit.estimate(PRESET, size="tiny", optimizations=[offload], parallel=fsdp)
+    with pytest.raises(ValueError, match=r"optimizations: memkit\.Offload .*cpu_offload=True"):
+        sharded_order([memkit.Checkpointing(), offload], fsdp)
+    model = _tiny()
+    with offload.apply(model), pytest.raises(ValueError, match=r"model: memkit\.Offload .*cpu_offload=True"):
+        fsdp.apply(model)
+    assert not dist.is_initialized()
 
 
 # ---- process group and model lifecycle --------------------------------------------------------------------------

@@ -935,6 +935,39 @@ def test_storages_made_off_device_are_host_memory_not_timeline():
     assert quiet.meta["host_peak_bytes"] == 0
 
 
+def test_host_state_is_off_the_timeline_by_category_and_a_host_optimizer_steps_there():
+    from memkit.memory import host_state
+
+    w = nn.Parameter(torch.randn(32))  # 128 B, declared in host memory (FSDP's offloaded shards)
+    on_device = nn.Parameter(torch.randn(8))  # 32 B
+    host_opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    device_opt = torch.optim.SGD([on_device], lr=0.1, momentum=0.9)
+    with track(host={"parameter": [w]}, optimizer=host_opt) as tl:
+        tag([w], "parameter")  # registering it again keeps it in host memory
+        with host_state():
+            w.grad = torch.ones(32)  # 128 B: host state...
+        tag([w.grad], "gradient")  # ...whose category is set as for any storage
+        assert tracker_module.in_host_state(w) and tracker_module.in_host_state(w.grad)
+        assert not tracker_module.in_host_state(on_device)
+        host_opt.step()  # the momentum buffer (128 B) and any temporaries: host state, w being there
+        on_device.grad = torch.ones(8)  # 32 B on the device
+        tag([on_device.grad], "gradient")
+        device_opt.step()  # its momentum buffer (32 B): on the device
+    # the momentum buffer, made inside the step, is optimizer state from its allocation on (as a retag on the
+    # timeline): no host temporary
+    assert tl.meta["host_state_bytes"] == {"parameter": 128, "gradient": 128, "optimizer_state": 128}
+    assert tl.baseline_by_category["parameter"] == 0  # on_device was never given to the tracker
+    assert tl.peak_by_category()["optimizer_state"] == 32 and tl.peak_by_category()["gradient"] == 32
+    assert tl.peak_bytes == 64
+
+
+def test_host_state_is_only_what_it_is_told():
+    x = torch.randn(16)
+    with track(host={"ema": []}) as tl:
+        y = x.clone()  # 64 B on the device
+    assert tl.meta["host_state_bytes"] == {} and tl.peak_bytes == nbytes(y)
+
+
 # ---- what each row says when there is nothing to say (mutation testing: -1 codes, times, devices) ---------------
 
 

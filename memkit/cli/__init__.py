@@ -110,6 +110,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux --checkpointing all      # the same with gradient checkpointing\n"
         "  memkit estimate ltx-video --checkpointing auto --budget 20GiB   # the fewest blocks that fit\n"
         "  memkit estimate flux --fsdp 8                 # per GPU, sharded over 8 GPUs with FSDP2\n"
+        "  memkit estimate flux --fsdp 8 --fsdp-cpu-offload  # the same, shards and optimizer in CPU memory\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n\n" + _presets_epilog(),
         formatter_class=_Formatter,
@@ -182,6 +183,12 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         choices=DTYPE_NAMES,
         default=None,
         help="with --fsdp: gather and compute parameters in this dtype, reduce gradients in fp32 (mixed precision)",
+    )
+    fsdp.add_argument(
+        "--fsdp-cpu-offload",
+        action="store_true",
+        help="with --fsdp: keep the parameter shards, gradient shards and optimizer state in CPU memory (FSDP2's "
+        "CPUOffloadPolicy; the optimizer steps on the CPU): off the GPU peak, listed as CPU memory",
     )
     p.add_argument("--unit", choices=tuple(UNITS), default="GiB", help="unit of the printed table")
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")

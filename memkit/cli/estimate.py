@@ -46,16 +46,22 @@ def _auto_checkpointing(args: argparse.Namespace) -> tuple[int, str] | None:
 
 
 def _parallel(args: argparse.Namespace) -> memkit.FSDP | None:
-    """``--fsdp N`` (with ``--fsdp-keep-unsharded``, ``--fsdp-param-dtype``) as a ``memkit.FSDP``, or None."""
+    """``--fsdp N`` (with ``--fsdp-keep-unsharded``, ``--fsdp-param-dtype``, ``--fsdp-cpu-offload``) as a
+    ``memkit.FSDP``, or None."""
     n = getattr(args, "fsdp", None)
+    keep, dtype, offload = (getattr(args, f"fsdp_{a}", None) for a in ("keep_unsharded", "param_dtype", "cpu_offload"))
     if n is None:
-        if getattr(args, "fsdp_keep_unsharded", False) or getattr(args, "fsdp_param_dtype", None):
-            raise CLIError("--fsdp-keep-unsharded and --fsdp-param-dtype go with --fsdp N")
+        if keep or dtype or offload:
+            raise CLIError("--fsdp-keep-unsharded, --fsdp-param-dtype and --fsdp-cpu-offload go with --fsdp N")
         return None
     if n < 1:
         raise CLIError(f"--fsdp takes the number of GPUs, an int >= 1, got {n}")
-    dtype = DTYPES[args.fsdp_param_dtype] if args.fsdp_param_dtype else None
-    return memkit.FSDP(world_size=n, reshard_after_forward=not args.fsdp_keep_unsharded, mixed_precision=dtype)
+    return memkit.FSDP(
+        world_size=n,
+        reshard_after_forward=not keep,
+        mixed_precision=DTYPES[dtype] if dtype else None,
+        cpu_offload=bool(offload),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

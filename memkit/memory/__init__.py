@@ -32,6 +32,7 @@ _EXPORTS = {
     "write_snapshot": ".snapshot_write",
     "Tracker": ".tracker",
     "current_timeline": ".tracker",
+    "host_state": ".tracker",
     "off_device": ".tracker",
     "phase": ".tracker",
     "tag": ".tracker",
@@ -53,6 +54,7 @@ __all__ = [
     "cuda_history_available",
     "cuda_snapshot",
     "current_timeline",
+    "host_state",
     "load_snapshot",
     "off_device",
     "phase",
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from .rss import RSSSamples, rss_bytes, sample_rss
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
-    from .tracker import Tracker, current_timeline, off_device, phase, tag, track, tracking
+    from .tracker import Tracker, current_timeline, host_state, off_device, phase, tag, track, tracking
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

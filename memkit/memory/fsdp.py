@@ -8,8 +8,16 @@ each use it all-gathers the full parameters into storages it resizes from 0 byte
 input and output (``collective``; the reduce-scatter output's storage becomes the gradient shards, so it is
 retagged ``gradient`` when FSDP hands it to the parameter).
 
-Nothing here changes what FSDP computes: while a tracker is active, three methods are wrapped, and restored
-when the last tracker stops. They are internals of torch 2.13: FSDP2's ``allocate`` of communication buffers
+With CPU offload (``CPUOffloadPolicy``) FSDP keeps the shards in host memory and copies each to the device before
+its all-gather (``FSDPParam.all_gather_inputs``: ``.to(device)``). On a CPU mesh that copy is a no-op, so when a
+tracker holds the shard as host state (an estimate for ``"cuda"``, see ``memkit.memory.host_state``) the wrapper
+below makes the copy a GPU would make, a clone (``collective``: the all-gather's input); the copy of the gradient
+shard back to the host is made by ``memkit.FSDP``'s own hook (``memkit/parallel.py``).
+
+Nothing here changes what FSDP computes (a clone has the same values): while a tracker is active, four methods
+are wrapped, and restored
+when the last tracker stops. They are internals of torch 2.13: ``FSDPParam.all_gather_inputs`` (a property);
+FSDP2's ``allocate`` of communication buffers
 (what it returns is tagged ``collective``); ``FSDPParamGroup.wait_for_unshard``, the one place both the
 all-gather path and the world-size-1 copy end with every parameter of a group unsharded (tagged
 ``unsharded_parameter``); and DTensor's ``ShardingPropagator._propagate_tensor_meta_non_cached``, which runs an
@@ -24,7 +32,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .tracker import _shapes_only, tag
+from .tracker import _shapes_only, in_host_state, tag
 
 _saved: list[tuple[type, str, Callable]] = []
 
@@ -57,6 +65,33 @@ def _wrap_wait_for_unshard(wait: Callable) -> Callable:
     return wait_tagged
 
 
+def _wrap_all_gather_inputs(inputs: property) -> property:
+    get = inputs.fget
+
+    @functools.wraps(get)
+    def copied_to_device(self):
+        host = self._sharded_param_data
+        if not (
+            self.offload_to_cpu
+            and host.device == self.device  # a GPU's .to(device) copies; here it would return the shard itself
+            and self.sharded_state.name == "SHARDED"
+            and not hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")
+            and in_host_state(host)
+        ):
+            return get(self)
+        device_copy = host.clone()
+        tag(device_copy, "collective")
+        self._sharded_param_data = device_copy
+        try:
+            out = get(self)  # the copy itself, or (mixed precision) its cast, made on the device
+        finally:
+            self._sharded_param_data = host
+        tag(out, "collective")
+        return out
+
+    return property(copied_to_device)
+
+
 def _wrap_shape_propagation(propagate: Callable) -> Callable:
     @functools.wraps(propagate)
     def propagate_unseen(self, *args, **kwargs):
@@ -81,6 +116,7 @@ def instrument(on: bool) -> None:
         return
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
     except ImportError as e:  # another torch: tracking still works, FSDP's storages keep phase-based categories
@@ -89,6 +125,7 @@ def instrument(on: bool) -> None:
     targets = [
         (FSDPParamGroup, "wait_for_unshard", _wrap_wait_for_unshard),
         (ShardingPropagator, "_propagate_tensor_meta_non_cached", _wrap_shape_propagation),
+        (FSDPParam, "all_gather_inputs", _wrap_all_gather_inputs),
     ]
     for name in ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin"):
         cls = getattr(collectives, name, None)

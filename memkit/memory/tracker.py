@@ -118,6 +118,35 @@ def off_device() -> Iterator[None]:
         _OFF_DEVICE.reset(token)
 
 
+_HOST_STATE: contextvars.ContextVar[bool] = contextvars.ContextVar("memkit_host_state", default=False)
+
+
+@contextmanager
+def host_state() -> Iterator[None]:
+    """Storages created inside are state kept in host memory while the step computes on an accelerator (the
+    gradient shards FSDP2's CPU offload copies to the host). Unlike :func:`off_device`'s copies they keep a
+    category: active trackers leave them out of the timeline, let :meth:`Tracker.register` and :func:`tag` set
+    their category, and count them in ``timeline.meta["host_state_bytes"]`` (category -> the most alive at once).
+    Storages that exist already are declared with ``track(host=...)``; an optimizer whose parameters are all host
+    state steps on the host, so its state and temporaries are host state too.
+
+    Example:
+        >>> with host_state():
+        ...     grad = grad.to("cpu", non_blocking=True)
+    """
+    token = _HOST_STATE.set(True)
+    try:
+        yield
+    finally:
+        _HOST_STATE.reset(token)
+
+
+def in_host_state(t: torch.Tensor) -> bool:
+    """True if an active tracker holds ``t``'s storage (a DTensor's: its local shard's) as host state."""
+    keys = [inner.untyped_storage()._cdata for inner in _plain(t)]
+    return any(k in tracker._kept for tracker in _active for k in keys)
+
+
 def _graph_task_running() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -195,6 +224,13 @@ class Tracker:
         self._host: dict[int, tuple[int, weakref.ref]] = {}  # storages created under off_device(): key -> bytes
         self._resized_role: dict[int, int] = {}  # storage resized to 0 -> its category, kept for when it regrows
         self._host_bytes = self._host_peak = 0
+        # host state (track(host=...), host_state(), a host optimizer's step): storage key -> (bytes, weakref, id);
+        # its allocations and frees by id, and each id's category (the last one given counts from the allocation
+        # on, as a retag does on the timeline)
+        self._kept: dict[int, tuple[int, weakref.ref, int]] = {}
+        self._kept_events: list[tuple[int, int]] = []
+        self._kept_category: list[str] = []
+        self._host_steps: list[bool] = []  # per running optimizer step: do all its parameters live in host memory?
         self._lower_bound: set[str] = set()  # ops that ran a kernel path whose internal buffers are not modelled
         self._devices: dict[torch.device | None, int] = {}
         self._t0 = time.perf_counter()
@@ -254,7 +290,7 @@ class Tracker:
                 for t in out if flat else tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         self._new_storage(t, category, phase, op)
-        extra = workspace_fn(args, kwargs, out) if workspace_fn is not None and not _OFF_DEVICE.get() else 0
+        extra = workspace_fn(args, kwargs, out) if workspace_fn is not None and not self._on_host_now() else 0
         if extra and self._saved_by_node and phase == _BACKWARD and slots:
             extra -= self._reused_saved(args, slots)
         if extra:
@@ -322,10 +358,13 @@ class Tracker:
             return
         s = t.untyped_storage()
         key = s._cdata
-        if key in self._live or key in self._host:
+        if key in self._live or key in self._host or key in self._kept:
             return
         n = s.nbytes()
         if n == 0:
+            return
+        if _HOST_STATE.get() or (self._host_steps and self._host_steps[-1]):
+            self._keep(key, s, n, CATEGORIES[category])
             return
         if _OFF_DEVICE.get():
             self._host[key] = (n, weakref.ref(s, partial(self._on_host_free, key)))
@@ -344,7 +383,7 @@ class Tracker:
     def _resized(self, s: torch.UntypedStorage) -> None:
         """``s`` was resized in place: its old bytes are freed and its new bytes allocated, keeping its category."""
         key = s._cdata
-        if key in self._host:
+        if key in self._host or key in self._kept:
             return
         phase = self._phase_now()
         entry = self._live.pop(key, None)
@@ -366,6 +405,33 @@ class Tracker:
         frame = self._frame() if self.record_stacks else -1
         rows.append((now, ALLOC, n, category, phase, device, self.log.ops("UntypedStorage.resize_"), frame, key))
         self._live[key] = _Live(index, n, category, phase, weakref.ref(s, partial(self._on_free, key, device)))
+
+    def _on_host_now(self) -> bool:
+        return _OFF_DEVICE.get() or _HOST_STATE.get() or bool(self._host_steps and self._host_steps[-1])
+
+    def _keep(self, key: int, s: torch.UntypedStorage, n: int, category: str) -> None:
+        ident = len(self._kept_category)
+        self._kept_category.append(category)
+        self._kept[key] = (n, weakref.ref(s, partial(self._on_kept_free, key)), ident)
+        self._kept_events.append((ident, n))
+
+    def _on_kept_free(self, key: int, _ref=None) -> None:
+        entry = self._kept.pop(key, None)
+        if entry is not None and not self._closed:
+            self._kept_events.append((entry[2], -entry[0]))
+
+    def _host_state_bytes(self) -> dict[str, int]:
+        """Category -> the most host state of that category alive at once."""
+        live: dict[str, int] = {}
+        peak: dict[str, int] = {}
+        for ident, n in self._kept_events:
+            category = self._kept_category[ident]
+            live[category] = live.get(category, 0) + n
+            peak[category] = max(peak.get(category, 0), live[category])
+        return {c: n for c, n in peak.items() if n}
+
+    def _in_host(self, t: torch.Tensor) -> bool:
+        return any(inner.untyped_storage()._cdata in self._kept for inner in _plain(t))
 
     def _on_host_free(self, key: int, _ref=None) -> None:
         entry = self._host.pop(key, None)
@@ -441,6 +507,10 @@ class Tracker:
         for t in (inner for x in tensors if isinstance(x, torch.Tensor) for inner in _plain(x)):
             s = t.untyped_storage()
             key = s._cdata
+            kept = self._kept.get(key)
+            if kept is not None:  # host state keeps its bytes off the timeline, under the category it is given
+                self._kept_category[kept[2]] = category
+                continue
             entry = self._live.get(key)
             if entry is not None:
                 self._retag(entry, code)
@@ -453,6 +523,21 @@ class Tracker:
             self._baseline[category] += n
             device = self._device_code(t.device)
             self._live[key] = _Live(-1, n, code, _OTHER, weakref.ref(s, partial(self._on_free, key, device)))
+
+    def register_host(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """``tensors`` live in host memory while the step computes on the accelerator (FSDP2's CPU-offloaded
+        shards in an estimate for ``"cuda"``): left out of the timeline, counted in
+        ``timeline.meta["host_state_bytes"][category]``, unrounded (no device allocator). Register them before
+        the objects that hold them (the model), so those find them here."""
+        check_category(category)
+        for t in (inner for x in tensors if isinstance(x, torch.Tensor) for inner in _plain(x)):
+            s = t.untyped_storage()
+            key = s._cdata
+            n = s.nbytes()
+            if key in self._kept:
+                self.register([t], category)
+            elif key not in self._live and n:
+                self._keep(key, s, n, category)
 
     def register_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
         """Register a module's parameters, buffers and existing gradients, and hook its gradients."""
@@ -469,9 +554,14 @@ class Tracker:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Register an optimizer's state tensors as optimizer state."""
-        tensors = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        self.register(tensors, "optimizer_state")
+        """Register an optimizer's state tensors as optimizer state (host state for a parameter in host memory:
+        an optimizer steps where its parameters are)."""
+        for param, state in optimizer.state.items():
+            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+            if self._kept and isinstance(param, torch.Tensor) and self._in_host(param):
+                self.register_host(tensors, "optimizer_state")
+            else:
+                self.register(tensors, "optimizer_state")
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         if param.grad is not None:
@@ -488,10 +578,14 @@ class Tracker:
 
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
         self.register_optimizer(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._host_steps.append(bool(self._kept and params) and all(self._in_host(p) for p in params))
         self._optimizer_depth += 1
 
     def _optimizer_post(self, optimizer, args, kwargs) -> None:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        if self._host_steps:
+            self._host_steps.pop()
         self.register_optimizer(optimizer)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -529,10 +623,13 @@ class Tracker:
             self._handles.clear()
             self.timeline.meta["lower_bound_ops"] = sorted(self._lower_bound)
             self.timeline.meta["host_peak_bytes"] = self._host_peak
+            self.timeline.meta["host_state_bytes"] = self._host_state_bytes()
             self.timeline._freeze()
             self._closed = True
             self._live.clear()  # drops the weakrefs, so no callback runs for storages that die later
             self._host.clear()
+            self._kept.clear()
+            self._host_steps.clear()
             self._pending.clear()
             self._saved_by_node.clear()
             self._saved_node.clear()
@@ -586,6 +683,7 @@ def track(
     optimizer: torch.optim.Optimizer | None = None,
     inputs: Any = None,
     owned: Any = None,
+    host: Mapping[str, Iterable[torch.Tensor]] | None = None,
     record_stacks: bool = False,
     alloc_granularity: int | None = None,
     device: str | None = None,
@@ -598,6 +696,8 @@ def track(
     Pass the objects that exist before the block (``model``, ``optimizer``, ``inputs``, and ``owned``: the
     handle of the applied optimizations, or a mapping category -> tensors, for memory they allocated in
     ``apply``, such as EMA shadows) so their memory is counted in the baseline with the right category.
+    ``host`` (category -> tensors) is state that lives in host memory while the step computes on an accelerator
+    (see :func:`host_state`): out of the timeline, in ``timeline.meta["host_state_bytes"]``.
     Modules that run inside the block are discovered by their forward hooks and optimizers by their step
     hooks, so a bare ``track()`` still categorizes parameters and optimizer state, but storages it never
     sees (inputs not passed, tensors that are never touched) are not counted.
@@ -627,6 +727,8 @@ def track(
     tracker = Tracker(record_stacks=record_stacks, alloc_granularity=alloc_granularity, device=device, label=label)
     history = None
     try:  # whatever fails below, stop() removes every hook already placed on the model
+        for category, tensors in (host or {}).items():  # first: the model's and optimizer's may be among them
+            tracker.register_host(_tensors_of(list(tensors)), category)
         if model is not None:
             tracker.register_module(model)
         if optimizer is not None:

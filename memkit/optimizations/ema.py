@@ -254,6 +254,10 @@ class EMAState:
         # (no estimate runs unless memkit.estimation is imported: don't import it, it pulls in diffusers)
         estimation = sys.modules.get("memkit.estimation")
         planned = estimation is not None and self.device.type == "cpu" and estimation.planned_device() == "cuda"
+        # parameters an estimate noted in host memory (FSDP's CPU-offloaded shards) are CPU tensors on the GPU
+        # machine too: the EMA is what it is on CPU parameters, its shadows beside them in host memory
+        beside_host = planned and estimation.noted_in_host(originals)
+        planned = planned and not beside_host
         host = cfg.mode != "device" and (self.device.type != "cpu" or planned)
         self._pin = host and cfg.mode == "offload" and torch.cuda.is_available() and self.device.type == "cuda"
         self._stream = host and cfg.mode == "offload"  # every update streams the shadows through a device buffer
@@ -266,7 +270,7 @@ class EMAState:
             self.shadow_params: list[torch.Tensor] = [
                 self._shadow_of(p.detach(), host and not planned) for p in originals
             ]
-        if host and estimation is not None:
+        if (host or beside_host) and estimation is not None:
             estimation.note_host_memory("ema", self.shadow_params)
         self.optimization_step = 0
         self.cur_decay_value: float | None = None
