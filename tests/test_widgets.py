@@ -387,6 +387,11 @@ def test_the_app_runs_what_its_widgets_say_and_shows_the_comparison():
     assert pg.progress.value == 1.0
     table = pg.table.value
     assert "ff-split:2" in table and table.count("✓ pass") == 2 and "max |Δgrad|" in table
+    # a column per variant (few), a row per figure (many); the unit once; numbers to 4 significant digits
+    head = table[table.index("<thead>") : table.index("</thead>")]
+    assert "<th>baseline</th>" in head and "<th>ff-split:2</th>" in head and "peak" not in head
+    assert "<th>optimizer state</th>" in table and "(MiB)" not in table and "memory in MiB" in table
+    assert re.search(r"\d\.\d{5,}", table) is None and "nan" not in table.lower()
     base = result.comparison.results["baseline"].timeline
     assert base.meta["label"] == "baseline"
     assert pg.live.shown >= 2 and {"total", "parameter"} <= {t.name for t in pg.live.figure.data}

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import html
+import numbers
 import threading
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -37,8 +38,17 @@ _GRID = "repeat(auto-fill, minmax(260px, 1fr))"
 _TABLE_CSS = (
     "<style>.memkit-table table{border-collapse:collapse;font-size:0.85em}"
     ".memkit-table th,.memkit-table td{border:1px solid #ddd;padding:2px 6px;text-align:right;white-space:normal}"
-    ".memkit-table th{background:#f5f5f5}</style>"
+    ".memkit-table th{background:#f5f5f5;overflow-wrap:anywhere}.memkit-table tbody th{text-align:left}</style>"
 )
+
+
+def _cell(v: object) -> str:
+    """A table cell: numbers to 4 significant digits, absent values as a dash."""
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+        return f"{v:,.4g}"
+    return str(v)
 
 
 class Playground:
@@ -290,15 +300,20 @@ class Playground:
         df = cmp.table(unit=unit).drop(columns=["optimizations"], errors="ignore").rename_axis(None)
         if "pass" in df.columns:
             df["pass"] = df["pass"].map({True: "✓ pass", False: "✗ fail"})
+        # One column per variant, one row per figure (variants are few, figures many: it fits the notebook's
+        # width); the unit said once, above the table. Formatted before turning, so every number keeps its format.
+        df = df.rename(columns=lambda c: c.removesuffix(f" ({unit})").replace("_", " "))
+        df = df.apply(lambda col: col.map(_cell)).T
         note = (
             "Real tensors: every variant ran on the same weights and inputs; pass = outputs and gradients within "
             f"a relative {cmp.tolerance:g} of the baseline."
             if result.kind == "run"
             else f"Estimate on fake tensors, {self.state.estimate_size} size: peaks only (nothing ran to compare)."
         )
-        body = df.to_html(float_format=lambda v: f"{v:,.4g}", na_rep="–", border=0)
+        body = df.to_html(border=0)
         self.table.value = (
-            f"{_TABLE_CSS}<div class='memkit-table' style='overflow-x:auto;max-width:100%'>{body}</div>"
+            f"{_TABLE_CSS}<div style='font-size:0.85em;color:#555'>memory in {unit}: the peak, and each category at "
+            f"the peak</div><div class='memkit-table' style='overflow-x:auto;max-width:100%'>{body}</div>"
             f"<div style='font-size:0.85em;color:#555'>{html.escape(note)}</div>"
         )
         fig = plots.comparison_figure(cmp, unit=unit)

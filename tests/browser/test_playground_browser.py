@@ -342,10 +342,14 @@ def _check_the_app(page, tmp_path: Path) -> None:
     # The live timeline grew while the run went on: each tracked step redraws it, growing, before the table lands.
     assert _increases(before_table) >= 2, watch["seen"]
 
-    rows = app.locator(".memkit-table tbody th").all_inner_texts()
-    assert [r.strip() for r in rows] == ["baseline", f"checkpointing:{PATTERN}"]
+    variants = app.locator(".memkit-table thead th").all_inner_texts()  # a column per variant
+    assert [v.strip() for v in variants if v.strip()] == ["baseline", f"checkpointing:{PATTERN}"]
     assert app.locator(".memkit-table").inner_text().count("✓ pass") == 2  # outputs and gradients as the baseline
 
+    table = app.locator(".memkit-table")  # every column in view, none behind a scroll bar
+    assert table.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), table.evaluate(
+        "el => [el.scrollWidth, el.clientWidth]"
+    )
     wide = page.evaluate(
         """() => [...document.querySelectorAll('.jp-OutputArea-output')]
               .filter(o => o.scrollWidth > o.clientWidth + 1)
