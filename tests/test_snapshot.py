@@ -320,6 +320,7 @@ def test_segments_are_summed_per_device_and_unknown_block_states_are_kept():
     second = segment(0, BASE + 0x10000, [(0x800, 100, "active_pending_free"), (0x400, 0, "future_state")])
     full = segment(1, BASE, [(0x1000, 0x1000, "active_allocated")])  # no inactive block
     tl = read_snapshot({"segments": [expandable, second, full], "device_traces": []})
+    assert len(tl) == 0 and tl.meta["time_unit"] == "s"  # no trace: no event, and the axis is still in seconds
     s0, s1 = tl.meta["segments"]["cuda:0"], tl.meta["segments"]["cuda:1"]
     assert (s0["segments"], s0["expandable_segments"]) == (2, 1)
     reserved = expandable["total_size"] + second["total_size"]
