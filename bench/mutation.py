@@ -416,6 +416,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     "at all takes the default, and its device column is empty: the table is never read",
     ("_to_timeline", "remap = np.zeros(max(used, default=0) + 2, dtype=np.int64)"): "one spare entry at the end, "
     "which no device index reaches",
+    ("load_snapshot", "return data if (isinstance(data, dict)) and False else dict(data)"): "a shallow copy of a "
+    "dict of a few keys: the same keys, the same (shared) values",
     # ---- comparison.py
     **{
         (function, line): "float('NAN') is NaN as float('nan') is (float() reads the case-insensitive 'nan')"

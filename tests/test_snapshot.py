@@ -6,6 +6,7 @@ import os
 import pickle
 import pickletools
 import random
+import types
 
 import numpy as np
 import pytest
@@ -704,6 +705,16 @@ def test_a_file_that_is_no_pickle_and_one_cut_short_say_which_and_why(tmp_path):
         read_snapshot(cut)
 
 
+def test_a_bad_file_object_is_named_in_the_error_or_said_to_have_no_name(tmp_path):
+    path = tmp_path / "snapshot.json"
+    path.write_text("not a pickle")
+    with open(path, "rb") as f, pytest.raises(SnapshotError) as info:
+        read_snapshot(f)
+    assert str(info.value).startswith(f"snapshot file {str(path)!r} is corrupted")
+    with pytest.raises(SnapshotError, match=r"^snapshot file '<file object>' is corrupted"):
+        read_snapshot(io.BytesIO(b"not a pickle"))
+
+
 def test_a_malformed_entry_is_quoted_in_the_error_cut_at_120_characters():
     long = {"action": "alloc", "size": 8, "note": "x" * 300}  # lacks addr
     for bad, what in (
@@ -723,9 +734,13 @@ def test_other_pickles_and_malformed_snapshots_name_what_is_wrong():
         read_snapshot({"segments": []})
     with pytest.raises(SnapshotError, match="got a int"):
         read_snapshot(pickle.dumps(3))
-    with pytest.raises(SnapshotError, match="segments"):
+    with pytest.raises(SnapshotError, match=r"^not a CUDA memory snapshot: 'segments' must be a list of dicts$"):
         read_snapshot(pickle.dumps([1, 2, 3]))
-    with pytest.raises(SnapshotError, match="device_traces"):
+    many = {f"key{i}": i for i in range(12)}
+    with pytest.raises(SnapshotError) as info:
+        read_snapshot(many)
+    assert str(info.value).endswith(f"(keys found: {sorted(many)[:8]})")  # a few of them, not all
+    with pytest.raises(SnapshotError, match=r"^not a CUDA memory snapshot: 'device_traces' must be a list \(one per"):
         read_snapshot({"segments": [], "device_traces": [{"action": "alloc"}]})
     bad = hand_snapshot()
     del bad["device_traces"][0][4]["addr"]
@@ -735,7 +750,7 @@ def test_other_pickles_and_malformed_snapshots_name_what_is_wrong():
     bad["segments"][0]["blocks"][0] = "block"
     with pytest.raises(SnapshotError, match=r"segments\[0\] is malformed"):
         read_snapshot(bad)
-    with pytest.raises(TypeError, match="source must be"):
+    with pytest.raises(TypeError, match="^source must be .*, got int$"):
         read_snapshot(42)
     with pytest.raises(FileNotFoundError):
         read_snapshot("/nonexistent/snapshot.pickle")
@@ -746,6 +761,8 @@ def test_load_snapshot_gives_torchs_dict_for_torchs_tools(tmp_path):
     path.write_bytes(pickle.dumps(hand_snapshot(), protocol=4))
     data = load_snapshot(path)
     assert data == hand_snapshot()
+    read_only = load_snapshot(types.MappingProxyType(hand_snapshot()))  # any Mapping: given back as a plain dict
+    assert type(read_only) is dict and read_only == hand_snapshot()
     assert "total_reserved" in _memory_viz.segsum(data)
 
 
