@@ -359,6 +359,65 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         ): "np.full of a Python int is int64 without the dtype"
         for arg in ("dtype=None", "")
     },
+    **{
+        ("_pair", line): "np.full takes the dtype of its fill value when given none: int64 for -1"
+        for line in ("alloc_of = np.full(n, -1, dtype=None)", "alloc_of = np.full(n, -1, )")
+    },
+    ("_pair", "alloc_of = np.full(n, -2, dtype=np.int64)"): "any negative marks a free allocated before the trace: "
+    "the one reader tests alloc_of >= 0",
+    ("_pair", "return alloc_of, np.zeros(1, dtype=bool), set()"): "with no events the (1,) mask broadcasts against "
+    "the empty has_alloc to the same empty mask",
+    **{
+        ("_pair", f"return alloc_of, act == FREE, set(zip(d[live].tolist(), a[live].tolist(), {arg}))"): "d[live] "
+        "and a[live] take the same rows: the same length"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    **{
+        ("_events", line): "Timeline() casts every column to its schema dtype (time is float64): the same values"
+        for line in (
+            '{name: np.zeros(0, dtype=np.float64 if (name == "time") and False else np.int64) for name, _ in COLUMNS},',
+            '{name: np.zeros(0, dtype=np.float64 if name == "XXtimeXX" else np.int64) for name, _ in COLUMNS},',
+            '{name: np.zeros(0, dtype=np.float64 if name == "TIME" else np.int64) for name, _ in COLUMNS},',
+            'cols["time"] = np.arange(len(t), dtype=None)',
+            'cols["time"] = np.arange(len(t), )',
+        )
+    },
+    ("_events", "if len(per_device) >= 1:"): "one device's times are already nondecreasing (the maximum.accumulate "
+    "above): its stable sort is the identity",
+    (
+        "_events",
+        'order = np.argsort(t, kind="STABLE")',
+    ): "numpy reads the sort kind by its first letter, in either case",
+    **{
+        ("_events", f'return cols, free_actions, "s", [(d, e, t) for (d, e), t in zip(ooms, at, {arg})]'): "at is "
+        "built from ooms, one time per error: the same length"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    **{
+        ("_Segments.device", line): "float64 baselines: sums of whole byte counts are exact below 2**53, and the one "
+        "reader casts each with int()"
+        for line in (
+            "self.baseline[d] = np.zeros(len(CATEGORIES), dtype=None)",
+            "self.baseline[d] = np.zeros(len(CATEGORIES), )",
+        )
+    },
+    ("_to_timeline", "pre_freed = pre_freed.astype(None).reshape(len(used), k)"): "float64 sums of whole byte counts "
+    "are exact below 2**53, and the baseline is cast with int()",
+    ("_Segments._segment", 'code = frames.decode(b.get("frames"), with_text=None)[0]'): "None is falsy like False: "
+    "decode skips the text and the phase either way",
+    **{
+        ("_phase_of_frees", f"if not ({cond}).any():"): "the early return is a shortcut: when it is not taken, the "
+        "loop below (whose own test is unchanged) fills nothing more"
+        for cond in ("~is_alloc | (phase < 0)", "~is_alloc & (phase <= 0)", "~is_alloc & (phase < 1)")
+    },
+    ("_phase_of_frees", "last = np.maximum.accumulate(np.where(allocs, np.arange(len(rows)), -2))"): "any negative "
+    "means no alloc before: the fill tests last >= 0",
+    ("_to_timeline", "remap = np.zeros(max(used, default=1) + 1, dtype=np.int64)"): "only a snapshot with no device "
+    "at all takes the default, and its device column is empty: the table is never read",
+    ("_to_timeline", "remap = np.zeros(max(used, default=0) + 2, dtype=np.int64)"): "one spare entry at the end, "
+    "which no device index reaches",
+    ("load_snapshot", "return data if (isinstance(data, dict)) and False else dict(data)"): "a shallow copy of a "
+    "dict of a few keys: the same keys, the same (shared) values",
     # ---- comparison.py
     **{
         (function, line): "float('NAN') is NaN as float('nan') is (float() reads the case-insensitive 'nan')"

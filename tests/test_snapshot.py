@@ -6,6 +6,7 @@ import os
 import pickle
 import pickletools
 import random
+import types
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ import memkit
 from memkit.memory import CATEGORIES, PHASES, Timeline
 from memkit.memory.cuda import CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
 from memkit.memory.events import ALLOC, COLUMNS, CUDA_BLOCK, FREE, round_alloc
-from memkit.memory.snapshot import STACK_FRAMES, SnapshotError, load_snapshot, read_snapshot
+from memkit.memory.snapshot import _MAX_DEVICES, STACK_FRAMES, SnapshotError, load_snapshot, read_snapshot
 from memkit.memory.snapshot_write import write_snapshot
 
 # ---- fixtures in torch's schema ------------------------------------------------------------------------------
@@ -222,6 +223,155 @@ def test_an_inconsistent_snapshot_reports_the_bytes_it_cannot_explain():
     data["device_traces"][0].insert(1, entry("alloc", BASE + 0x3000, 64, 95))  # B's address, allocated twice
     tl = read_snapshot(data)
     assert tl.meta["unaccounted_bytes"] == {"cuda:0": -64}
+
+
+def test_a_block_the_trace_freed_last_but_the_segments_hold_is_the_baseline():
+    # allocations made while the history was paused are missing from the trace: X was allocated again unseen
+    X = BASE + 0x1000
+    trace = [entry("alloc", X, 100, 10), entry("free_completed", X, 100, 20)]
+    tl = read_snapshot({"segments": [segment(0, X, [(512, 100, "active_allocated")])], "device_traces": [trace]})
+    assert tl.baseline_bytes == 100 and tl.live_bytes.tolist() == [200, 100]
+    assert tl.end_bytes == 100 and "unaccounted_bytes" not in tl.meta
+
+
+def test_a_time_before_the_entry_above_it_is_taken_as_that_entrys():
+    stamps = [100, 90, 95, 200]  # 90 and 95: clock jitter between threads
+    trace = [entry("alloc", BASE + 512 * i, 8, t) for i, t in enumerate(stamps)]
+    tl = read_snapshot({"segments": [], "device_traces": [trace]})
+    taken = [max(stamps[: i + 1]) for i in range(len(stamps))]
+    assert tl.time.tolist() == [(t - taken[0]) / 1e6 for t in taken]
+    assert tl.meta["time_unit"] == "s"
+
+
+def test_devices_at_the_same_microsecond_keep_each_traces_order():
+    # each block allocated and freed within one microsecond, on both devices: only a stable merge keeps every
+    # free after its alloc (numpy's default sort reorders ties in arrays this long)
+    n = 40
+    traces = [
+        [entry(action, BASE + 512 * i, 8 + d, 100 + i) for i in range(n) for action in ("alloc", "free_completed")]
+        for d in range(2)
+    ]
+    tl = read_snapshot({"segments": [], "device_traces": traces})
+    device, storage = tl.column("device"), tl.column("storage")
+    for d, trace in enumerate(traces):
+        assert storage[device == d].tolist() == [e["addr"] for e in trace]
+    assert tl.baseline_bytes == tl.end_bytes == 0
+    assert tl.peak_bytes == 8 + 1  # at each microsecond device 0's pair, then device 1's: one block at a time
+
+
+def oom(size, device_free, time_us=None):
+    e = {"action": "oom", "size": size, "device_free": device_free, "stream": 0, "frames": []}
+    return e if time_us is None else {**e, "time_us": time_us}
+
+
+def test_out_of_memory_errors_are_listed_with_their_device_bytes_and_time():
+    d0 = [entry("alloc", BASE, 100, 1_000), oom(4096, 512, 3_000), entry("free_completed", BASE, 100, 4_000)]
+    d1 = [
+        entry("alloc", BASE, 7, 2_000),
+        oom(True, float("nan")),  # numbers that are not byte counts, and no time: None
+        oom(2048.0, float("inf"), 5_000),
+        entry("snapshot", 0, 0, 6_000),
+    ]
+    tl = read_snapshot({"segments": [], "device_traces": [d0, d1]})
+    zero = 1_000  # the first event's time_us
+    assert tl.meta["out_of_memory"] == [
+        {"device": "cuda:0", "requested_bytes": 4096, "device_free_bytes": 512, "time": (3_000 - zero) / 1e6},
+        {"device": "cuda:1", "requested_bytes": None, "device_free_bytes": None, "time": None},
+        {"device": "cuda:1", "requested_bytes": 2048, "device_free_bytes": None, "time": (5_000 - zero) / 1e6},
+    ]
+    assert len(tl) == 3  # an oom is no event
+    assert tl.meta["trace_entries"] == {"cuda:0": len(d0), "cuda:1": len(d1)}
+    assert tl.meta["source"] == "snapshot" and tl.meta["time_unit"] == "s"
+
+
+def test_a_memkit_snapshot_of_event_indices_reads_back_in_events(tmp_path):
+    rows = [(0.0, ALLOC, 64, 0, 0, 0, -1, -1, 1), (1.0, FREE, 64, 0, 0, 0, -1, -1, 1)]
+    cols = {name: [r[i] for r in rows] for i, (name, _) in enumerate(COLUMNS)}
+    for unit in ("event", "s"):
+        tl = Timeline(cols, devices=["cuda:0"], meta={"time_unit": unit})
+        assert read_snapshot(write_snapshot(tl, tmp_path / f"{unit}.pickle")).meta["time_unit"] == unit
+
+
+def marker(category, phase):
+    return {"filename": "memkit", "line": 0, "name": f"category={category} phase={phase}"}
+
+
+def test_a_free_keeps_the_phase_its_marker_names_and_else_takes_its_allocs():
+    forward = {"filename": "/src/model/block.py", "line": 3, "name": "forward"}
+    trace = [
+        entry("alloc", BASE, 64, 1, frames=[forward]),  # the device's first entry
+        entry("free_completed", BASE, 64, 2),  # torch's: no phase of its own
+        entry("alloc", BASE + 512, 32, 3, frames=[marker("activation", "backward")]),
+        entry("free_completed", BASE + 512, 32, 4, frames=[marker("activation", PHASES[0])]),
+    ]
+    tl = read_snapshot({"segments": [], "device_traces": [trace]})
+    assert [PHASES[p] for p in tl.column("phase")] == ["forward", "forward", "backward", PHASES[0]]
+
+
+def test_granularity_one_rounds_nothing():
+    as_traced = read_snapshot(hand_snapshot()).column("bytes").tolist()
+    assert read_snapshot(hand_snapshot(), alloc_granularity=1).column("bytes").tolist() == as_traced
+
+
+def test_segments_are_summed_per_device_and_unknown_block_states_are_kept():
+    expandable = {
+        **segment(0, BASE, [(0x1000, 4000, "active_allocated"), (0x2000, 0, "inactive")]),
+        "is_expandable": True,
+    }
+    second = segment(0, BASE + 0x10000, [(0x800, 100, "active_pending_free"), (0x400, 0, "future_state")])
+    full = segment(1, BASE, [(0x1000, 0x1000, "active_allocated")])  # no inactive block
+    tl = read_snapshot({"segments": [expandable, second, full], "device_traces": []})
+    assert len(tl) == 0 and tl.meta["time_unit"] == "s"  # no trace: no event, and the axis is still in seconds
+    s0, s1 = tl.meta["segments"]["cuda:0"], tl.meta["segments"]["cuda:1"]
+    assert (s0["segments"], s0["expandable_segments"]) == (2, 1)
+    reserved = expandable["total_size"] + second["total_size"]
+    assert s0["reserved_bytes"] == reserved
+    assert s0["blocks"]["future_state"] == {"count": 1, "bytes": 0x400}  # a state this reader does not know
+    assert s0["blocks"]["active_pending_free"] == {"count": 1, "bytes": 0x800}
+    assert s0["largest_inactive_block"] == 0x2000
+    assert s1["largest_inactive_block"] == 0 and s1["blocks"]["inactive"] == {"count": 0, "bytes": 0}
+    assert tl.meta["reserved_bytes"] == {"cuda:0": reserved, "cuda:1": full["total_size"]}
+    assert tl.baseline_bytes == 4000 + 100 + 0x1000
+
+
+def test_what_older_snapshots_omit_from_a_segment_reads_as_none_or_tiled():
+    # no device, total_size, address or blocks; blocks without an address or requested_size
+    bare = {"segment_type": "small"}
+    tiled = {
+        "total_size": 1024,
+        "blocks": [{"size": 512, "state": "active_allocated"}, {"size": 512, "state": "inactive"}],
+    }
+    tl = read_snapshot({"segments": [bare, tiled], "device_traces": [[entry("alloc", 0, 300, 1)]]})
+    assert tl.devices == ["cuda:0"]
+    assert tl.meta["reserved_bytes"] == {"cuda:0": 1024} and tl.meta["segments"]["cuda:0"]["segments"] == 2
+    # the block at offset 0 is the trace's alloc: not baseline; it holds its whole size (no requested_size)
+    assert tl.baseline_bytes == 0 and tl.meta["unaccounted_bytes"] == {"cuda:0": 512 - 300}
+
+
+def test_blocks_are_matched_to_the_trace_by_their_own_address():
+    seg = {
+        "device": 1,
+        "total_size": 1024,
+        "blocks": [{"address": BASE, "size": 1024, "requested_size": 300, "state": "active_allocated"}],
+    }
+    tl = read_snapshot({"segments": [seg], "device_traces": [[], [entry("alloc", BASE, 300, 1)]]})
+    assert tl.devices == ["cuda:1"] and tl.baseline_bytes == 0 and tl.end_bytes == 300
+    assert "unaccounted_bytes" not in tl.meta
+
+
+def test_a_pre_trace_block_takes_its_category_key_and_adds_no_frame_text():
+    seg = segment(0, BASE, [(512, 64, "active_allocated"), (512, 32, "active_allocated")])
+    seg["blocks"][0].update(category="parameter", frames=[py_frame(1)])
+    trace = [entry("alloc", BASE + 512, 32, 1)]
+    tl = read_snapshot({"segments": [seg], "device_traces": [trace]}, default_category="temporary")
+    assert tl.baseline_by_category == {**dict.fromkeys(CATEGORIES, 0), "parameter": 64}
+    assert tl.frames == []  # a block's stack is no event's frame
+
+
+@pytest.mark.parametrize("device", [-1, _MAX_DEVICES])
+def test_a_segment_on_no_device_index_is_refused_by_name(device):
+    with pytest.raises(SnapshotError, match=rf"segments\[0\] is malformed.*device {device} is not a device index"):
+        read_snapshot({"segments": [segment(device, BASE, [(512, 8, "active_allocated")])], "device_traces": []})
 
 
 # ---- a real CPU profile, through torch's own conversion -------------------------------------------------------
@@ -555,6 +705,16 @@ def test_a_file_that_is_no_pickle_and_one_cut_short_say_which_and_why(tmp_path):
         read_snapshot(cut)
 
 
+def test_a_bad_file_object_is_named_in_the_error_or_said_to_have_no_name(tmp_path):
+    path = tmp_path / "snapshot.json"
+    path.write_text("not a pickle")
+    with open(path, "rb") as f, pytest.raises(SnapshotError) as info:
+        read_snapshot(f)
+    assert str(info.value).startswith(f"snapshot file {str(path)!r} is corrupted")
+    with pytest.raises(SnapshotError, match=r"^snapshot file '<file object>' is corrupted"):
+        read_snapshot(io.BytesIO(b"not a pickle"))
+
+
 def test_a_malformed_entry_is_quoted_in_the_error_cut_at_120_characters():
     long = {"action": "alloc", "size": 8, "note": "x" * 300}  # lacks addr
     for bad, what in (
@@ -574,9 +734,13 @@ def test_other_pickles_and_malformed_snapshots_name_what_is_wrong():
         read_snapshot({"segments": []})
     with pytest.raises(SnapshotError, match="got a int"):
         read_snapshot(pickle.dumps(3))
-    with pytest.raises(SnapshotError, match="segments"):
+    with pytest.raises(SnapshotError, match=r"^not a CUDA memory snapshot: 'segments' must be a list of dicts$"):
         read_snapshot(pickle.dumps([1, 2, 3]))
-    with pytest.raises(SnapshotError, match="device_traces"):
+    many = {f"key{i}": i for i in range(12)}
+    with pytest.raises(SnapshotError) as info:
+        read_snapshot(many)
+    assert str(info.value).endswith(f"(keys found: {sorted(many)[:8]})")  # a few of them, not all
+    with pytest.raises(SnapshotError, match=r"^not a CUDA memory snapshot: 'device_traces' must be a list \(one per"):
         read_snapshot({"segments": [], "device_traces": [{"action": "alloc"}]})
     bad = hand_snapshot()
     del bad["device_traces"][0][4]["addr"]
@@ -586,7 +750,7 @@ def test_other_pickles_and_malformed_snapshots_name_what_is_wrong():
     bad["segments"][0]["blocks"][0] = "block"
     with pytest.raises(SnapshotError, match=r"segments\[0\] is malformed"):
         read_snapshot(bad)
-    with pytest.raises(TypeError, match="source must be"):
+    with pytest.raises(TypeError, match="^source must be .*, got int$"):
         read_snapshot(42)
     with pytest.raises(FileNotFoundError):
         read_snapshot("/nonexistent/snapshot.pickle")
@@ -597,6 +761,8 @@ def test_load_snapshot_gives_torchs_dict_for_torchs_tools(tmp_path):
     path.write_bytes(pickle.dumps(hand_snapshot(), protocol=4))
     data = load_snapshot(path)
     assert data == hand_snapshot()
+    read_only = load_snapshot(types.MappingProxyType(hand_snapshot()))  # any Mapping: given back as a plain dict
+    assert type(read_only) is dict and read_only == hand_snapshot()
     assert "total_reserved" in _memory_viz.segsum(data)
 
 
