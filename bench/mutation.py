@@ -93,6 +93,9 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "tests/test_mutants_memory.py",
         ),
     ),
+    "rss": ("memkit/memory/rss.py", ("tests/test_rss.py",)),
+    # test_fsdp.py runs FSDP2 on a fake process group: seconds per test, so run it with --max-seconds
+    "fsdp": ("memkit/memory/fsdp.py", ("tests/test_fsdp.py",)),
     "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
     # tests/test_compare.py runs real diffusers presets (minutes per mutant): the fast file is enough here
     "compare": ("memkit/comparison.py", ("tests/test_comparison_fast.py",)),
@@ -197,6 +200,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         )
     },
     ("phase_of", "return -2"): "its one caller (Frames.decode) and snapshot.py read any negative phase as none",
+    # ---- rss.py
+    ("rss_bytes", 'with open("/proc/self/statm", ) as f:'): "statm is ASCII digits: int() reads the field from str "
+    "as from bytes",
     **{
         (f"Frames.{name}", line): "every caller passes with_text (snapshot.py, and codes() to decode())"
         for name, line in (

@@ -1,5 +1,8 @@
 """memkit.memory.sample_rss: the process's resident memory over a block."""
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -20,3 +23,15 @@ def test_interval_must_be_positive():
     with pytest.raises(ValueError, match="interval must be > 0 seconds, got 0"):
         with sample_rss(interval=0):
             pass
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="no /proc/self/statm (not Linux): psutil is used")
+def test_rss_is_read_from_proc_on_linux_without_psutil(monkeypatch):
+    monkeypatch.setitem(sys.modules, "psutil", None)  # the fallback would fail: the number must come from /proc
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * page
+    now = rss_bytes()
+    with open("/proc/self/statm") as f:
+        after = int(f.read().split()[1]) * page
+    assert now % page == 0 and min(before, after) - 64 * page <= now <= max(before, after) + 64 * page
