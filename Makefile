@@ -46,6 +46,8 @@ test: $(STAMP)
 # The Playground in JupyterLab in headless Chromium (Playwright): notebook 06 run, a toggle changed, Run pressed,
 # the live timeline and the table checked. Needs Chromium (Debian: apt-get install chromium); skips without it.
 # MEMKIT_SCREENSHOT_DIR=notebooks/screenshots also saves the app's screenshot there.
+# MEMKIT_BROWSER_THROTTLE=6 slows the page's CPU 6x during Run All (the race that once left the figures blank);
+# MEMKIT_BROWSER_CONTROL=1 adds the control: plotly's own FigureWidget in the app's place, expected blank (3 min each).
 browser-test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider tests/browser
 
