@@ -207,7 +207,7 @@ def test_a_tensor_changed_in_place_between_blocks_is_copied_again(stand_in, copi
 
 
 def test_on_the_cpu_nothing_moves_the_peak_is_torchs_and_it_says_so_once(monkeypatch):
-    monkeypatch.setattr(ck, "_warned", set())
+    monkeypatch.setattr(memkit.optimizations._common, "_warned", set())
 
     def no_copy(*args):
         raise AssertionError("provider 'offload' copied a tensor on a CPU-only run")

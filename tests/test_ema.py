@@ -111,7 +111,7 @@ def test_constant_schedule_decays_by_exactly_decay():
 
 
 def test_without_pinning_it_says_so_once_and_does_not_crash():
-    memkit.optimizations.ema._warned.clear()
+    memkit.optimizations._common._warned.clear()
     model = _model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

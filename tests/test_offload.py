@@ -420,7 +420,7 @@ def test_parse_and_str_round_trip_and_refuse_bad_values():
 
 
 def test_to_cpu_on_a_cpu_model_says_it_moves_nothing():
-    offload_mod._warned.clear()
+    memkit.optimizations._common._warned.clear()
     ref, model, inputs = _pair("dit")
     with pytest.warns(UserWarning, match="nothing moves"):
         handle = Offload(to="cpu").apply(model)

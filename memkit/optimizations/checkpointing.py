@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,6 +36,8 @@ import torch.utils.checkpoint
 
 from ..handle import Handle
 from ..memory.tracker import off_device
+from ._common import planned_cuda as _planned_cuda
+from ._common import warn_once as _warn_once
 
 if TYPE_CHECKING:
     from .checkpoint_plan import CheckpointPlan
@@ -69,22 +70,6 @@ def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-def _planned_cuda() -> bool:
-    # In an estimate for "cuda" the fake CPU tensors stand for device ones (memkit.estimation.planned_device;
-    # read through sys.modules: importing memkit.estimation would pull in diffusers)
-    estimation = sys.modules.get("memkit.estimation")
-    return estimation is not None and estimation.planned_device() == "cuda"
 
 
 def _offload_target(device: torch.device) -> torch.device | None:

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -32,19 +31,13 @@ import torch
 
 from ..handle import Handle
 from ..memory.tracker import phase
+from ._common import warn_once as _warn_once
 from .offload import onloaded
 
 __all__ = ["EMA", "EMAState", "diffusers_check"]
 
 _MODES = ("device", "offload", "cpu_only")
 _SCHEDULES = ("diffusers", "constant")
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 @dataclass(frozen=True, kw_only=True)

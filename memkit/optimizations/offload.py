@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +39,8 @@ import torch
 from torch import nn
 
 from ..handle import Handle
+from ._common import planned_cuda as _planned_cuda
+from ._common import warn_once as _warn_once
 from ._offload_store import DiskStore, FakeDiskStore, HostStore, OffloadError
 from ._offloader import _Group, _Offloader, _owner, _return_freed_memory, onloaded
 from .checkpointing import diffusers_blocks, module_list_blocks
@@ -48,18 +49,6 @@ __all__ = ["Offload", "OffloadError", "groups_of", "onloaded"]
 
 _TO = ("cpu", "disk")
 _GROUPS = ("block", "leaf")
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-def _planned_cuda() -> bool:
-    estimation = sys.modules.get("memkit.estimation")  # not imported here: it would pull in diffusers
-    return estimation is not None and estimation.planned_device() == "cuda"
 
 
 _CPU_MOVES = False
