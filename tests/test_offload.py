@@ -109,6 +109,66 @@ def test_training_keeps_only_the_groups_in_use():
     assert peak_params <= resident + 4 * biggest < total
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_block_level_also_offloads_the_layers_outside_the_blocks(preset, tmp_path):
+    """At block level the embedders and final layers are groups too (one per layer): what stays resident is only
+    the model's own parameters and one-element ones. Their buffers are fresh each time (a layout no block shares
+    would otherwise stay in the pool) and are freed when the layer is done."""
+    model = memkit.load_model(preset)
+    inputs = memkit.make_inputs(model)
+    own = {id(p) for p in model.parameters(recurse=False)}
+    with Offload(to="disk", path=tmp_path).apply(model) as handle:
+        groups = handle.offloader.groups
+        owned = {id(p) for g in groups for p in g.params}
+        stay = [n for n, p in model.named_parameters() if id(p) not in owned]
+        assert all(id(p) in own or p.numel() <= 1 for n, p in model.named_parameters() if n in stay), stay
+        layers = [g for g in groups if not g.block]
+        assert layers and all(len(g.modules) == 1 for g in layers)
+        assert {n for g in layers for n in g.names} == {
+            n for n, p in model.named_parameters()
+            if id(p) not in own and p.numel() > 1 and not any(n.startswith(b.name + ".") for b in groups if b.block)
+        }  # fmt: skip
+        freed: list[weakref.ref] = []
+
+        def note(g):
+            return lambda m, a, o: freed.append(weakref.ref(g.real[0].untyped_storage()))
+
+        hooks = [g.modules[0].register_forward_hook(note(g)) for g in layers]
+        with torch.no_grad():
+            model(**inputs)
+            model(**inputs)
+        for h in hooks:
+            h.remove()
+        store = handle.offloader.store
+        assert all(store.shared[key] > 1 for key, _, _ in store.buffers.sets)  # the pool: blocks' layouts only
+        if any(store.shared[store._key(g.gid)] == 1 for g in layers):
+            assert any(r() is None for r in freed)  # a layer of its own layout: its buffer is gone after use
+
+
+@pytest.mark.parametrize("kind", ["disk", "cpu"])
+def test_freed_layers_are_handed_back_to_the_system_and_pooled_blocks_are_not(kind, monkeypatch, cpu_moves, tmp_path):
+    """glibc keeps freed blocks in its heap, and RSS with them. Reading from disk on the CPU, dropping a group
+    that read into fresh memory (a layer outside the blocks) is followed by ``malloc_trim``, so the peak RSS is
+    the groups in use, not the heap's high-water mark; dropping a block frees nothing (its buffers go back to the
+    pool), so no trim is paid for. In CPU memory (the copies made on CUDA) nothing is trimmed."""
+    from memkit.optimizations import _offloader
+
+    calls = []
+    monkeypatch.setattr(_offloader, "_return_freed_memory", lambda: calls.append(1))
+    model = _Stack()
+    model.inp = nn.Linear(16, 16)  # a layer outside the blocks, of a layout no block has
+    model.forward = lambda x, m=model: _Stack.forward(m, m.inp(x))
+    kwargs = {"path": tmp_path} if kind == "disk" else {}
+    with Offload(to=kind, prefetch=0, **kwargs).apply(model) as handle:
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(4, 16))
+        if kind == "disk":
+            store = handle.offloader.store
+            assert [store.pooled(g.gid) for g in handle.offloader.groups] == [True] * len(model.blocks) + [False]
+    assert len(calls) == (3 if kind == "disk" else 0)  # once a forward: the input layer dropped as block 0 comes
+
+
 class _Stack(nn.Module):
     """Six blocks of one layout (so one set of buffers fits every block), run in order with residuals."""
 

@@ -225,7 +225,9 @@ class DiskStore:
     """One safetensors file per group in a fresh folder (``tempfile.mkdtemp(prefix="memkit-offload-")`` under
     ``path``): never another model's files. Reads run on one background thread for prefetches, into buffers
     taken on the calling thread (so a memory tracker sees them as they are made) from a pool of ``buffers`` groups'
-    worth that are reused once nobody holds them (:class:`_Buffers`). On an accelerator the pool's buffers are
+    worth that are reused once nobody holds them (:class:`_Buffers`), for the layouts more than one group has (the
+    blocks); a group whose layout is its own (an embedder, a final layer) reads into fresh memory, freed when the
+    group is offloaded, as a pooled set would stay resident. On an accelerator the pool's buffers are
     the host side of the copy (pageable memory: the copy has read them when ``to()`` returns)."""
 
     kind = "disk"
@@ -245,6 +247,7 @@ class DiskStore:
             ) from e  # fmt: skip
         self.files: dict[int, str] = {}
         self.layout: dict[int, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]] = {}
+        self.shared: dict[tuple, int] = {}  # layout -> groups saved with it
         self.bytes_read = 0
         self.bytes_written = 0
         self.buffers = _Buffers(buffers)
@@ -255,6 +258,8 @@ class DiskStore:
         path = os.path.join(self.folder, f"group-{gid:04d}.safetensors")
         self.files[gid] = path
         self.layout[gid] = _write(path, names, tensors)
+        key = self._key(gid)
+        self.shared[key] = self.shared.get(key, 0) + 1
         self.bytes_written += os.path.getsize(path)
 
     def write_back(self, gid: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -263,12 +268,18 @@ class DiskStore:
         self.bytes_written += os.path.getsize(self.files[gid])
 
     # -- reading -------------------------------------------------------------------------------------------
+    def _key(self, gid: int) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+        return tuple((dtype, shape) for _, dtype, shape, _, _ in self.layout[gid])
+
+    def pooled(self, gid: int) -> bool:
+        """Whether group ``gid`` reads into the pool (its layout is another group's too); else into fresh memory."""
+        return self.shared.get(self._key(gid), 0) > 1
+
     def _alloc(self, gid: int, reuse: bool = True) -> list[torch.Tensor]:
-        key = tuple((dtype, shape) for _, dtype, shape, _, _ in self.layout[gid])
-        if reuse:
-            out = self.buffers.take(key)
-        else:  # for the caller to keep (a state_dict, the weights after remove()): never a pool buffer
-            out = [torch.empty(shape, dtype=dtype) for dtype, shape in key]
+        if reuse and self.pooled(gid):  # a layout of one group only would stay resident in the pool
+            out = self.buffers.take(self._key(gid))
+        else:  # for the caller to keep (a state_dict, the weights after remove()), or a layout no other group has
+            out = [torch.empty(shape, dtype=dtype) for dtype, shape in self._key(gid)]
         tag(out, "parameter")
         return out
 

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.optim import optimizer as _optim
 
+from ._offload_store import DiskStore
+
 if TYPE_CHECKING:
     from .offload import Offload
 
@@ -41,10 +43,12 @@ def _key(t: torch.Tensor) -> int:
 
 
 class _Group:
-    __slots__ = ("gid", "name", "modules", "names", "params", "real", "versions", "keys", "active")
+    __slots__ = ("gid", "name", "modules", "names", "params", "real", "versions", "keys", "active", "block")
 
-    def __init__(self, gid: int, name: str, modules: list[nn.Module], named: list[tuple[str, nn.Parameter]]):
-        self.gid, self.name, self.modules = gid, name, modules
+    def __init__(
+        self, gid: int, name: str, modules: list[nn.Module], named: list[tuple[str, nn.Parameter]], block: bool = False
+    ):
+        self.gid, self.name, self.modules, self.block = gid, name, modules, block  # block: its layers hooked too
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.real: list[torch.Tensor] | None = None  # the onloaded tensors; None while offloaded
@@ -71,6 +75,9 @@ class _Offloader:
         self.saved_hooks: list = []
         self.placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.loads = 0
+        # reading from disk into CPU memory: hand what each drop freed back to the system before the next group comes
+        # (glibc keeps freed blocks in its heap, where later allocations do not always fit: RSS would keep them)
+        self.trim = isinstance(store, DiskStore) and device.type == "cpu"
 
     # -- moving a group ------------------------------------------------------------------------------------
     def placeholder(self, p: torch.Tensor) -> torch.Tensor:
@@ -113,9 +120,13 @@ class _Offloader:
 
     def offload_others(self, keep: Iterable[_Group] = ()) -> None:
         keep = {id(g) for g in keep}
+        freed = False
         for g in self.groups:
             if g.real is not None and not g.active and id(g) not in keep:
                 self.offload(g)
+                freed = freed or (self.trim and not self.store.pooled(g.gid))
+        if freed:
+            _return_freed_memory()
 
     def onload_all(self) -> None:
         for g in self.groups:
@@ -248,7 +259,7 @@ class _Offloader:
             for m in g.modules:
                 h.append(m.register_forward_pre_hook(lambda mod, args, g=g: self.enter(g, True)))
                 h.append(m.register_forward_hook(lambda mod, a, o, g=g: _leave(g), always_call=True))
-                for sub in m.modules() if self.config.group == "block" else ():
+                for sub in m.modules() if g.block else ():
                     if sub is not m and any(True for _ in sub.parameters(recurse=False)):
                         h.append(sub.register_forward_pre_hook(lambda mod, args, g=g: self.enter(g, False)))
                         h.append(sub.register_forward_hook(lambda mod, a, o, g=g: _leave(g), always_call=True))
@@ -288,16 +299,24 @@ class _Offloader:
         self.store.close()
 
 
+_TRIM: list = []  # glibc's malloc_trim, once looked up (None where there is none)
+
+
 def _return_freed_memory() -> None:
     """Hand the weights just freed back to the operating system, so RSS drops now: glibc keeps freed blocks
     below its (adaptive) mmap threshold in its heap until ``malloc_trim``. Elsewhere nothing."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
+    if not _TRIM:
+        trim = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
 
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+                trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                pass
+        _TRIM.append(trim)
+    if _TRIM[0] is not None:
+        _TRIM[0](0)
 
 
 def _leave(g: _Group) -> None:

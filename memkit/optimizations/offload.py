@@ -2,8 +2,9 @@
 in use, loading each group just before it runs and a few ahead of it in the background.
 
 Saves: the weights of every offloaded group but the one computing and the ``prefetch`` groups loaded ahead; a
-model of N blocks at ``blocks_per_group=1`` keeps about ``(1 + prefetch) / N`` of its block weights resident
-(embedders, final norms and one-element parameters stay). Costs: one transfer per group per forward (and one
+model of N blocks at ``blocks_per_group=1`` keeps about ``(1 + prefetch) / N`` of its block weights resident (the
+layers outside the blocks, embedders and final layers, are groups of one layer each; only the model's own
+parameters and one-element ones stay). Costs: one transfer per group per forward (and one
 per backward in training), hidden behind compute when a group's bytes over the bandwidth take less time than
 its FLOPs over the throughput (prefetch makes that overlap); in training ``optimizer.step()`` onloads every
 group (the update needs the weights with their gradients and states) and changed weights are written back
@@ -63,15 +64,26 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 def groups_of(model: nn.Module, group: str = "block", blocks_per_group: int = 1) -> list[tuple[str, list[nn.Module]]]:
     """The groups ``Offload`` makes: (name, modules). ``"block"``: the transformer blocks (as
-    :class:`memkit.Checkpointing` finds them), ``blocks_per_group`` consecutive ones a group; ``"leaf"``: each
-    module that holds parameters of its own.
+    :class:`memkit.Checkpointing` finds them), ``blocks_per_group`` consecutive ones a group, then each module
+    outside the blocks that holds parameters of its own (embedders, final layers), one a group; ``"leaf"``: each
+    module that holds parameters of its own. The model's own parameters (held by no submodule) are a group only at
+    leaf level.
 
     Example:
-        >>> [name for name, _ in groups_of(memkit.load_model("flux"))]
-        ['transformer_blocks.0', 'single_transformer_blocks.0']
+        >>> [name for name, _ in groups_of(memkit.load_model("flux"))][:3]
+        ['transformer_blocks.0', 'single_transformer_blocks.0', 'time_text_embed.timestep_embedder.linear_1']
     """
+    return [(name, modules) for name, modules, _ in _found(model, group, blocks_per_group)]
+
+
+def _owns(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters(recurse=False))
+
+
+def _found(model: nn.Module, group: str, blocks_per_group: int) -> list[tuple[str, list[nn.Module], bool]]:
+    """``groups_of``'s groups, each with whether it is blocks (all their parameters, their layers hooked too)."""
     if group == "leaf":
-        return [(n, [m]) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+        return [(n, [m], False) for n, m in model.named_modules() if _owns(m)]
     if getattr(model, "_supports_gradient_checkpointing", False):
         blocks = diffusers_blocks(model)
     else:
@@ -80,7 +92,9 @@ def groups_of(model: nn.Module, group: str = "block", blocks_per_group: int = 1)
     for i in range(0, len(blocks), blocks_per_group):
         chunk = blocks[i : i + blocks_per_group]
         name = chunk[0][0] if len(chunk) == 1 else f"{chunk[0][0]}..{chunk[-1][0]}"
-        out.append((name, [m for _, m in chunk]))
+        out.append((name, [m for _, m in chunk], True))
+    inside = {id(sub) for _, m in blocks for sub in m.modules()}
+    out += [(n, [m], False) for n, m in model.named_modules() if m is not model and id(m) not in inside and _owns(m)]
     return out
 
 
@@ -107,7 +121,8 @@ class Offload:
     group: Literal["block", "leaf"] = "block"
     """What a group is: ``"block"``: ``blocks_per_group`` consecutive transformer blocks (the modules
     :class:`memkit.Checkpointing` numbers); ``"leaf"``: each module holding parameters of its own (finest, most
-    transfers). Parameters outside every group (embedders, final layers) stay in memory."""
+    transfers). At block level the layers outside the blocks (embedders, final layers) are groups of one layer
+    each; parameters the model holds itself (no submodule) and one-element ones stay in memory."""
     blocks_per_group: int = 1
     """Blocks per group with ``group="block"`` (>= 1): more means fewer, larger transfers and more memory."""
     path: str | os.PathLike | None = None
@@ -172,24 +187,24 @@ class Offload:
 
     def _groups(self, model: nn.Module) -> list[_Group]:
         names = {id(p): n for n, p in model.named_parameters()}
-        found = groups_of(model, self.group, self.blocks_per_group)
+        found = _found(model, self.group, self.blocks_per_group)
         owners: dict[int, set[int]] = {}
-        for i, (_, modules) in enumerate(found):
+        for i, (_, modules, block) in enumerate(found):
             for m in modules:
-                for p in m.parameters(recurse=self.group == "block"):
+                for p in m.parameters(recurse=block):
                     owners.setdefault(id(p), set()).add(i)
         groups = []
-        for name, modules in found:
+        for name, modules, block in found:
             named, seen = [], set()
             for m in modules:
-                for p in m.parameters(recurse=self.group == "block"):
+                for p in m.parameters(recurse=block):
                     # shared with another group, or one element (a placeholder would be writable): stays resident
                     if id(p) in seen or len(owners[id(p)]) > 1 or p.numel() <= 1:
                         continue
                     seen.add(id(p))
                     named.append((names[id(p)], p))
             if named:
-                groups.append(_Group(len(groups), name, modules, named))
+                groups.append(_Group(len(groups), name, modules, named, block=block))
         if not groups:
             raise ValueError(f"model ({type(model).__name__}) has no parameters in any {self.group!r} group to offload")
         return groups
