@@ -1132,3 +1132,97 @@ def test_a_named_non_cpu_device_flags_no_cpu_kernel_path(monkeypatch):
     with track(inputs=[a, b]) as tl:
         torch.mm(a, b)  # the same call measured for the CPU: its path is not modelled
     assert tl.meta["lower_bound_ops"] == ["aten.mm"]
+
+
+# ---- storages resized in place (how FSDP2 frees and regathers its unsharded parameters) -------------------------
+
+
+def test_resizing_a_storage_in_place_frees_its_bytes_then_allocates_the_new_ones_in_its_category():
+    x = torch.zeros(1000)  # 4000 B, an input: in the baseline
+    original = torch.UntypedStorage.resize_
+    with track(inputs={"x": x}, record_stacks=True) as tl:
+        assert torch.UntypedStorage.resize_ is not original  # watched only while tracking
+        s = x.untyped_storage()
+        assert s.resize_(4000) is s  # the same size: nothing happens, and resize_ still returns its storage
+        y = torch.ones(10)  # 40 B, made in the window: a temporary
+        y.untyped_storage().resize_(0)  # freed...
+        y.untyped_storage().resize_(80)  # ...and allocated again, larger, still a temporary
+        s.resize_(0)
+        s.resize_(2000)  # the input regathered at half its size
+        del y  # its free: the regrown size
+    assert torch.UntypedStorage.resize_ is original
+    mine = [(r["action"], r["bytes"], r["category"]) for r in events(tl) if r["storage"] == key(x)]
+    assert mine == [(FREE, 4000, "input"), (ALLOC, 2000, "input")]
+    grown = [r for r in events(tl) if r["storage"] == key(x) and r["action"] == ALLOC][0]
+    assert grown["op"] == "UntypedStorage.resize_" and grown["phase"] == "other" and grown["device"] == "cpu"
+    assert grown["frame"] is not None and "test_resizing_a_storage" in grown["frame"]
+    temps = [(r["action"], r["bytes"]) for r in events(tl) if r["category"] == "temporary"]
+    assert temps == [(ALLOC, 40), (FREE, 40), (ALLOC, 80), (FREE, 80)]
+    assert tl.live_by_category()["input"].tolist()[-1] == 2000
+    assert tl.peak_bytes == 4000 + 80 and tl.end_bytes == 2000  # y regrown while x was whole
+
+
+def test_a_storage_first_seen_resized_is_a_temporary_of_its_rounded_size_in_the_phase_it_grows_in():
+    before = torch.zeros(3)  # never given to the tracker
+    w = nn.Parameter(torch.randn(4))
+    grown = torch.zeros(2)
+
+    class Grow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            grown.untyped_storage().resize_(48)  # regrown in the backward
+            return g
+
+    with track(alloc_granularity=512) as tl:
+        before.untyped_storage().resize_(100)  # unknown until now: a temporary of its new (rounded) size
+        grown.untyped_storage().resize_(0)  # unknown and shrunk: nothing was counted, nothing to free
+        Grow.apply(w).sum().backward()
+    rows = events(tl)
+    first = [(r["action"], r["bytes"], r["category"], r["phase"]) for r in rows if r["storage"] == key(before)]
+    assert first == [(ALLOC, 512, "temporary", "other")]
+    regrown = [(r["action"], r["bytes"], r["category"], r["phase"]) for r in rows if r["storage"] == key(grown)]
+    assert regrown == [(ALLOC, 512, "temporary", "backward")]
+
+
+def test_host_state_resized_in_place_stays_off_the_timeline():
+    from memkit.memory import host_state
+
+    with track() as tl:
+        with host_state():
+            h = torch.zeros(64)  # 256 B of host state
+        tag([h], "gradient")
+        h.untyped_storage().resize_(0)
+        h.untyped_storage().resize_(1024)
+    assert tl.peak_bytes == 0 and len(tl) == 0
+    assert tl.meta["host_state_bytes"] == {"gradient": 256}
+
+
+def test_a_storage_registered_while_resized_to_zero_regrows_in_its_registered_category():
+    z = torch.zeros(4)
+    z.untyped_storage().resize_(0)  # an FSDP unsharded parameter between uses: no bytes yet
+    with track() as tl:
+        tag([z], "parameter")  # nothing to count now...
+        assert tl.baseline_by_category["parameter"] == 0
+        z.untyped_storage().resize_(64)  # ...its role when it regrows
+    assert [(r["action"], r["bytes"], r["category"]) for r in events(tl)] == [(ALLOC, 64, "parameter")]
+
+
+def test_a_wrapper_subclass_counts_its_inner_tensors_not_its_own_storage():
+    """A traceable wrapper subclass (a DTensor, here torch's test TwoTensor) holds no memory of its own: its
+    inner tensors do, at any depth."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b, c, d = (torch.zeros(4) for _ in range(4))
+    flat = TwoTensor(a, b)
+    nested = TwoTensor(TwoTensor(a, b), TwoTensor(c, d))
+    assert [key(t) for t in tracker_module._plain(nested)] == [key(t) for t in (a, b, c, d)]
+    with track(inputs={"flat": flat}) as tl:
+        pass
+    assert tl.baseline_by_category["input"] == nbytes(a, b) == 32
+    with track(inputs={"nested": nested}) as tl:
+        pass
+    assert tl.baseline_by_category["input"] == nbytes(a, b, c, d)

@@ -479,7 +479,7 @@ class Tracker:
     def _frame(self) -> int:
         frames = [
             f"{f.filename}:{f.lineno} {f.name}"
-            for f in traceback.extract_stack()[:-4]
+            for f in traceback.extract_stack()
             if "/torch/" not in f.filename and "/memkit/memory/" not in f.filename
         ]
         return self.log.frames("\n".join(frames[-8:]))
