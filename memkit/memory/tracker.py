@@ -477,11 +477,11 @@ class Tracker:
         return None
 
     def _frame(self) -> int:
-        frames = [
-            f"{f.filename}:{f.lineno} {f.name}"
-            for f in traceback.extract_stack()
-            if "/torch/" not in f.filename and "/memkit/memory/" not in f.filename
-        ]
+        # the caller's frames up to where the tracker was entered (dispatch, a resize, the RNG state), torch's
+        # own left out: the innermost 8 of them name the allocation's site
+        stack = traceback.extract_stack()
+        entered = next((i for i, f in enumerate(stack) if "/memkit/memory/" in f.filename), len(stack))
+        frames = [f"{f.filename}:{f.lineno} {f.name}" for f in stack[:entered] if "/torch/" not in f.filename]
         return self.log.frames("\n".join(frames[-8:]))
 
     # ---- categories -----------------------------------------------------------------------------------------

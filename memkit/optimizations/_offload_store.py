@@ -11,6 +11,7 @@ or read: a load only allocates, so the estimate counts the onloaded groups.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -63,41 +64,66 @@ def _holders(t: torch.Tensor) -> int:
     return _use_count(t.untyped_storage()._cdata)
 
 
-class _Buffers:
-    """Reused read buffers for the disk store: at most ``capacity`` groups' worth (``prefetch + 1``: the group
-    computing and those read ahead), each set keyed by its layout (every tensor's dtype and shape), least recently
-    used first. A set is handed out again only when nothing but the pool holds its storages: their use counts are
-    back to what they were when the pool made them. So not while the reader thread fills it, a group computes with
-    it, or autograd (a layer that saves its weight outside the offloader's saved-tensor hooks), an optimizer or
-    the caller keeps a tensor aliasing it: reusing it then would silently change their values. Such a set is left
-    alone and a fresh one allocated. The pool hands out new tensors on its storages (``detach()``), never its
-    own, so every holder is counted."""
+_ALIGN = 64  # bytes: each tensor carved out of a buffer starts on a cache line (and any dtype's alignment)
 
-    def __init__(self, capacity: int):
+
+def _carve(key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> tuple[list[int], int]:
+    """Where each tensor of a group's layout starts in a flat buffer, and the bytes the buffer needs."""
+    offsets, at = [], 0
+    for dtype, shape in key:
+        offsets.append(at)
+        n = math.prod(shape) * dtype.itemsize
+        at += -(-n // _ALIGN) * _ALIGN
+    return offsets, at
+
+
+class _Buffers:
+    """Reused read buffers for the disk store: at most ``capacity`` (``prefetch + 1``: the group computing and those
+    read ahead) flat byte buffers of the largest group's size (``nbytes``), least recently used first; a group's
+    tensors are carved out of one of them (views, each aligned to 64 bytes), whatever its layout, so blocks and
+    the small layers outside them share the same few buffers. A buffer is handed out again only when nothing but
+    the pool holds its storage: its use count is back to what it was when the pool made it. So not while the
+    reader thread fills it, a group computes with it, or autograd (a layer that saves its weight outside the
+    offloader's saved-tensor hooks), an optimizer or the caller keeps a tensor aliasing it: reusing it then would
+    silently change their values. Such a buffer is left alone and a fresh one allocated (the pool forgets the
+    oldest beyond ``capacity``; its holders keep it alive while they need it)."""
+
+    def __init__(self, capacity: int, nbytes: int = 0):
         self.capacity = capacity if _use_count is not None else 0
-        self.sets: list[tuple[tuple, list[torch.Tensor], list[int]]] = []  # (layout, buffers, use counts when free)
+        self.nbytes = nbytes
+        self.sets: list[tuple[torch.Tensor, int]] = []  # (flat uint8 buffer, its use count when free)
         self.lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
 
     def take(self, key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> list[torch.Tensor]:
+        offsets, need = _carve(key)
         with self.lock:
-            for i, (k, bufs, free) in enumerate(self.sets):
-                if k == key and all(_holders(b) <= n for b, n in zip(bufs, free, strict=True)):
+            for i, (buf, free) in enumerate(self.sets):
+                if buf.numel() >= need and _holders(buf) <= free:
                     self.sets.append(self.sets.pop(i))
                     self.reused += 1
-                    return [b.detach() for b in bufs]
-            bufs = [torch.empty(shape, dtype=dtype) for dtype, shape in key]
+                    return _views(buf, key, offsets)
+            buf = torch.empty(max(need, self.nbytes), dtype=torch.uint8)
             self.allocated += 1
             if self.capacity:
-                self.sets.append((key, bufs, [_holders(b) for b in bufs]))
+                self.sets.append((buf, _holders(buf)))
                 if len(self.sets) > self.capacity:
-                    del self.sets[0]  # its holders keep it alive while they need it; the pool forgets it
-            return [b.detach() for b in bufs]
+                    del self.sets[0]
+            return _views(buf, key, offsets)
 
     def clear(self) -> None:
         with self.lock:
             self.sets.clear()
+
+
+def _views(buf: torch.Tensor, key, offsets: list[int]) -> list[torch.Tensor]:
+    """The layout's tensors on ``buf``'s storage: new tensors (never the pool's own), so every holder is counted."""
+    out = []
+    for (dtype, shape), at in zip(key, offsets, strict=True):
+        n = math.prod(shape) * dtype.itemsize
+        out.append(buf[at : at + n].view(dtype).view(shape))
+    return out
 
 
 class CudaStreams:
@@ -225,9 +251,8 @@ class DiskStore:
     """One safetensors file per group in a fresh folder (``tempfile.mkdtemp(prefix="memkit-offload-")`` under
     ``path``): never another model's files. Reads run on one background thread for prefetches, into buffers
     taken on the calling thread (so a memory tracker sees them as they are made) from a pool of ``buffers`` groups'
-    worth that are reused once nobody holds them (:class:`_Buffers`), for the layouts more than one group has (the
-    blocks); a group whose layout is its own (an embedder, a final layer) reads into fresh memory, freed when the
-    group is offloaded, as a pooled set would stay resident. On an accelerator the pool's buffers are
+    worth (the largest group's bytes each) that are reused once nobody holds them (:class:`_Buffers`), by blocks
+    and the layers outside them alike. On an accelerator the pool's buffers are
     the host side of the copy (pageable memory: the copy has read them when ``to()`` returns)."""
 
     kind = "disk"
@@ -247,7 +272,6 @@ class DiskStore:
             ) from e  # fmt: skip
         self.files: dict[int, str] = {}
         self.layout: dict[int, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]] = {}
-        self.shared: dict[tuple, int] = {}  # layout -> groups saved with it
         self.bytes_read = 0
         self.bytes_written = 0
         self.buffers = _Buffers(buffers)
@@ -258,8 +282,7 @@ class DiskStore:
         path = os.path.join(self.folder, f"group-{gid:04d}.safetensors")
         self.files[gid] = path
         self.layout[gid] = _write(path, names, tensors)
-        key = self._key(gid)
-        self.shared[key] = self.shared.get(key, 0) + 1
+        self.buffers.nbytes = max(self.buffers.nbytes, _carve(self._key(gid))[1])
         self.bytes_written += os.path.getsize(path)
 
     def write_back(self, gid: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -271,14 +294,10 @@ class DiskStore:
     def _key(self, gid: int) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
         return tuple((dtype, shape) for _, dtype, shape, _, _ in self.layout[gid])
 
-    def pooled(self, gid: int) -> bool:
-        """Whether group ``gid`` reads into the pool (its layout is another group's too); else into fresh memory."""
-        return self.shared.get(self._key(gid), 0) > 1
-
     def _alloc(self, gid: int, reuse: bool = True) -> list[torch.Tensor]:
-        if reuse and self.pooled(gid):  # a layout of one group only would stay resident in the pool
+        if reuse:
             out = self.buffers.take(self._key(gid))
-        else:  # for the caller to keep (a state_dict, the weights after remove()), or a layout no other group has
+        else:  # for the caller to keep (a state_dict, the weights after remove()): never a pool buffer
             out = [torch.empty(shape, dtype=dtype) for dtype, shape in self._key(gid)]
         tag(out, "parameter")
         return out

@@ -25,8 +25,6 @@ import torch
 from torch import nn
 from torch.optim import optimizer as _optim
 
-from ._offload_store import DiskStore
-
 if TYPE_CHECKING:
     from .offload import Offload
 
@@ -75,9 +73,6 @@ class _Offloader:
         self.saved_hooks: list = []
         self.placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.loads = 0
-        # reading from disk into CPU memory: hand what each drop freed back to the system before the next group comes
-        # (glibc keeps freed blocks in its heap, where later allocations do not always fit: RSS would keep them)
-        self.trim = isinstance(store, DiskStore) and device.type == "cpu"
 
     # -- moving a group ------------------------------------------------------------------------------------
     def placeholder(self, p: torch.Tensor) -> torch.Tensor:
@@ -120,13 +115,9 @@ class _Offloader:
 
     def offload_others(self, keep: Iterable[_Group] = ()) -> None:
         keep = {id(g) for g in keep}
-        freed = False
         for g in self.groups:
             if g.real is not None and not g.active and id(g) not in keep:
                 self.offload(g)
-                freed = freed or (self.trim and not self.store.pooled(g.gid))
-        if freed:
-            _return_freed_memory()
 
     def onload_all(self) -> None:
         for g in self.groups:
@@ -155,13 +146,13 @@ class _Offloader:
     # -- hooks ---------------------------------------------------------------------------------------------
     def enter(self, g: _Group, top: bool) -> None:
         """A module of ``g`` starts its forward (``top``: a block itself; else one of its layers, which a model may
-        call outside the block, as DiT calls block 0's embedder): the groups not in use go, ``g`` comes, the
-        next ones start loading."""
+        call outside the block, as DiT calls block 0's embedder after the last block): the groups not in use go,
+        ``g`` comes, and, when the block itself starts, the next ones start loading (not for a layer called out of
+        order: its read-ahead would hold a buffer that nothing uses until the next step)."""
         g.active += 1
         if g.real is None:
             self.offload_others(keep=[g])
             self.onload(g)
-            top = True
         if top:
             self.prefetch_after(g, 1)
 
@@ -299,24 +290,16 @@ class _Offloader:
         self.store.close()
 
 
-_TRIM: list = []  # glibc's malloc_trim, once looked up (None where there is none)
-
-
 def _return_freed_memory() -> None:
     """Hand the weights just freed back to the operating system, so RSS drops now: glibc keeps freed blocks
     below its (adaptive) mmap threshold in its heap until ``malloc_trim``. Elsewhere nothing."""
-    if not _TRIM:
-        trim = None
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
 
-                trim = ctypes.CDLL("libc.so.6").malloc_trim
-            except (OSError, AttributeError):
-                pass
-        _TRIM.append(trim)
-    if _TRIM[0] is not None:
-        _TRIM[0](0)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def _leave(g: _Group) -> None:
