@@ -518,3 +518,19 @@ def test_a_checkpointing_budget_is_planned_for_the_sharded_step():
     tl = memkit.estimate(PRESET, size="tiny", optimizations=[memkit.Checkpointing(budget_bytes=budget)], parallel=fsdp)
     assert tl.peak_bytes <= budget and tl.meta["parallel"] == "fsdp:2"
     assert tl.meta["checkpoint_plans"]
+
+
+def test_the_gathered_tensors_of_a_group_include_a_subclass_parameter_s_inner_tensors():
+    """FSDP2 keeps a gathered parameter in ``all_gather_outputs`` and, for a tensor-subclass parameter with its own
+    all-gather hooks (float8 training), the subclass's inner tensors in ``_unsharded_inner_tensors``: both are
+    the unsharded memory memkit tags. (Read from torch 2.13's FSDPParam; a stand-in group, as the CPU build has no
+    such subclass to shard.)"""
+    from types import SimpleNamespace
+
+    from memkit.memory import fsdp as fsdp_module
+
+    a, b, c, d = (torch.zeros(2) for _ in range(4))
+    plain = SimpleNamespace(all_gather_outputs=[a])  # a plain parameter: no inner tensors attribute at all
+    subclass = SimpleNamespace(all_gather_outputs=[b], _unsharded_inner_tensors=[c, d])
+    got = fsdp_module._unsharded_tensors(SimpleNamespace(fsdp_params=[plain, subclass]))
+    assert [id(t) for t in got] == [id(t) for t in (a, b, c, d)]
