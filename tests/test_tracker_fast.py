@@ -1226,3 +1226,94 @@ def test_a_wrapper_subclass_counts_its_inner_tensors_not_its_own_storage():
     with track(inputs={"nested": nested}) as tl:
         pass
     assert tl.baseline_by_category["input"] == nbytes(a, b, c, d)
+
+
+def test_resize_rows_say_no_op_or_site_on_frees_and_their_times_are_in_the_window():
+    torch.ones(3) + 1  # ops before, so the resized storage's op code is not 0, the device's code
+    t0 = time.perf_counter()
+    with track() as tl:
+        a = torch.zeros(5)
+        b = a * 2  # allocated by a second op: a nonzero op code in its row
+        b.untyped_storage().resize_(0)
+        b.untyped_storage().resize_(64)
+        tag([b], "gradient")  # the regrown storage is retagged like any other: its allocation row changes category
+    wall = time.perf_counter() - t0
+    rows = [r for r in events(tl) if r["storage"] == key(b)]
+    assert [(r["action"], r["bytes"]) for r in rows] == [(ALLOC, 20), (FREE, 20), (ALLOC, 64)]
+    assert [r["device"] for r in rows] == ["cpu"] * 3
+    assert rows[1]["op"] is None and rows[2]["op"] == "UntypedStorage.resize_"
+    assert set(tl.column("frame").tolist()) == {-1}  # no record_stacks: no sites, -1 exactly
+    assert set(tl.column("op").tolist()) - {-1} and min(tl.column("op").tolist()) >= -1
+    times = tl.column("time").tolist()
+    assert times == sorted(times) and 0 <= times[0] and times[-1] <= wall
+    assert tl.peak_by_category()["gradient"] == 64  # the retag reached the regrown allocation
+    assert tl.live_by_category()["temporary"].tolist()[-1] == nbytes(a)
+
+
+def test_a_storage_regrown_by_a_module_run_in_the_backward_is_an_activation():
+    """Checkpointing recomputes a block (a module's forward) inside the backward: what it makes there is an
+    activation, as for an op; a resize there too."""
+    grown = torch.zeros(2)
+
+    class Regather(nn.Module):
+        def forward(self, g):
+            grown.untyped_storage().resize_(48)
+            return g
+
+    regather = Regather()
+
+    class Back(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return regather(g)
+
+    w = nn.Parameter(torch.randn(4))
+    grown.untyped_storage().resize_(0)
+    with track() as tl:
+        Back.apply(w).sum().backward()
+    regrown = [(r["action"], r["bytes"], r["category"], r["phase"]) for r in events(tl) if r["storage"] == key(grown)]
+    assert regrown == [(ALLOC, 48, "activation", "backward")]
+
+
+def test_host_memory_seen_again_through_a_view_is_not_a_device_allocation():
+    from memkit.memory import host_state, off_device
+
+    with track() as tl:
+        with off_device():
+            copy = torch.ones(64)  # a host copy (an offloaded checkpoint)
+        with host_state():
+            state = torch.ones(32)  # host state
+        views = [copy.view(8, 8), state.view(4, 8), copy[1:], state.t() if state.dim() == 2 else state[:]]
+        del views
+    assert len(tl) == 0 and tl.peak_bytes == 0
+    assert tl.meta["host_peak_bytes"] == nbytes(copy)
+    assert tl.meta["host_state_bytes"] == {"temporary": nbytes(state)}  # untagged host state: a temporary
+
+
+def test_host_state_counts_the_most_alive_at_once_not_the_sum():
+    from memkit.memory import host_state
+
+    with track() as tl:
+        with host_state():
+            first = torch.ones(64)  # 256 B
+        tag([first], "gradient")
+        del first  # freed before the next one
+        with host_state():
+            second = torch.ones(32)  # 128 B
+            third = torch.ones(16)  # 64 B, alive with the second
+        tag([second, third], "gradient")
+    assert tl.meta["host_state_bytes"] == {"gradient": max(256, 128 + 64)}
+    with track() as tl:
+        with host_state():
+            a, b = torch.ones(64), torch.ones(64)
+        tag([a, b], "ema")
+        del a
+        with host_state():
+            c = torch.ones(64)
+        tag([c], "ema")
+    assert tl.meta["host_state_bytes"] == {"ema": 512}  # a freed before c: two alive at most, not three
+    del b, c
