@@ -33,8 +33,9 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_FLAG) $(LAB_ARGS) --ServerApp.root_dir=notebooks \
 		--LabApp.workspaces_dir=$(LAB_WORKSPACES) --LabApp.default_url=/lab/workspaces/memkit
 
-# The unit tests run in TEST_WORKERS processes (pytest-xdist): most are single-threaded Python over small models, so
-# two workers on a 2-core machine finish in about 2/3 of the time of one. More workers need about 1.5 GB of RAM each.
+# The unit tests and the notebooks (a notebook's cells kept together in one worker: --dist loadfile) run in
+# TEST_WORKERS processes (pytest-xdist): most tests are single-threaded Python over small models, so two workers keep
+# both cores of a 2-core machine busy. TEST_WORKERS=0 runs them one after another in one process.
 TEST_WORKERS ?= 2
 
 # .venv-colab is created in the background while the unit tests run (about 4 minutes, mostly downloads and unpacking:
@@ -44,7 +45,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory $(COLAB_STAMP) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -n $(TEST_WORKERS) --durations=15 \
 		--cov=memkit --cov-report=term-missing:skip-covered \
-	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax notebooks \
+	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax -n $(TEST_WORKERS) --dist loadfile notebooks \
 	&& { wait $$colab || { tail -50 $(COLAB_VENV).log; echo "creating $(COLAB_VENV) failed"; exit 1; }; }
 	$(MAKE) browser-test colab-test
 
