@@ -534,3 +534,40 @@ def test_the_gathered_tensors_of_a_group_include_a_subclass_parameter_s_inner_te
     subclass = SimpleNamespace(all_gather_outputs=[b], _unsharded_inner_tensors=[c, d])
     got = fsdp_module._unsharded_tensors(SimpleNamespace(fsdp_params=[plain, subclass]))
     assert [id(t) for t in got] == [id(t) for t in (a, b, c, d)]
+
+
+def test_instrument_wraps_fsdp2_s_internals_restores_them_and_warns_where_torch_has_none(monkeypatch):
+    import builtins
+    import warnings
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from memkit.memory import fsdp as fsdp_module
+
+    originals = {n: vars(c)[n] for c, n in ((FSDPParam, "all_gather_inputs"), (FSDPParamGroup, "wait_for_unshard"))}
+    fsdp_module.instrument(True)
+    try:
+        assert vars(FSDPParam)["all_gather_inputs"] is not originals["all_gather_inputs"]
+        assert vars(FSDPParamGroup)["wait_for_unshard"] is not originals["wait_for_unshard"]
+    finally:
+        fsdp_module.instrument(False)
+    assert vars(FSDPParam)["all_gather_inputs"] is originals["all_gather_inputs"]
+    assert vars(FSDPParamGroup)["wait_for_unshard"] is originals["wait_for_unshard"]
+
+    real_import = builtins.__import__
+
+    def no_fsdp2(name, *args, **kwargs):  # a torch without FSDP2's private modules
+        if name.startswith("torch.distributed.fsdp._fully_shard"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fsdp2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fsdp_module.instrument(True)
+    monkeypatch.undo()
+    assert not fsdp_module._saved  # nothing wrapped
+    assert len(said) == 1 and said[0].filename == __file__  # pointed at the caller
+    assert "FSDP2's buffers cannot be categorized with this torch" in str(said[0].message)
+    assert "_fully_shard" in str(said[0].message)  # the import error, named
