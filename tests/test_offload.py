@@ -260,7 +260,8 @@ def test_training_never_reuses_a_buffer_autograd_still_holds(how, tmp_path):
 
 def test_a_buffer_is_never_handed_out_while_a_read_ahead_or_its_caller_holds_it(monkeypatch, tmp_path):
     """With the reader thread slow, buffers taken for reads in flight or still held are not given to the next
-    read; a set freed by its holder is."""
+    read (which then reads into fresh memory of its own size, outside the pool); a pool buffer freed by its holder
+    is."""
     store = store_mod.DiskStore(torch.device("cpu"), tmp_path, buffers=2)
     weights = {gid: [torch.full((64, 64), float(gid)), torch.full((64,), -float(gid))] for gid in range(4)}
     for gid, tensors in weights.items():
@@ -276,17 +277,22 @@ def test_a_buffer_is_never_handed_out_while_a_read_ahead_or_its_caller_holds_it(
 
     monkeypatch.setattr(store, "_fill", slow)
     try:
-        ahead = [store.prefetch(0), store.prefetch(1)]  # the pool's two sets, both in flight
-        loaded = store.load(2)  # a third set: fresh
+        ahead = [store.prefetch(0), store.prefetch(1)]  # the pool's two buffers, both in flight
+        loaded = store.load(2)  # none free: fresh memory of its own size
         held = {gid: f.result() for gid, f in enumerate(ahead)}
         held[2] = loaded
         assert ptrs(held[0]).isdisjoint(ptrs(held[1])) and ptrs(held[2]).isdisjoint(ptrs(held[0]) | ptrs(held[1]))
-        last = ptrs(held[2])
-        del held[2], loaded  # its holder lets it go: the next read reuses it, not group 1's (still held)
-        held[3] = store.prefetch(3).result()
-        assert ptrs(held[3]) == last
+        pool = {b.untyped_storage()._cdata for b, _ in store.buffers.sets}
+        assert [held[g][0].untyped_storage()._cdata in pool for g in range(3)] == [True, True, False]
+        assert (store.buffers.allocated, store.buffers.fresh) == (2, 1)
+        first = ptrs(held[0])
         for gid, tensors in held.items():
             assert all(torch.equal(a, b) for a, b in zip(tensors, weights[gid], strict=True)), gid
+        del held[0], loaded, ahead  # its holder lets group 0's buffer go: the next read reuses it, not group 1's
+        held[3] = store.prefetch(3).result()
+        assert ptrs(held[3]) == first and store.buffers.reused == 1
+        assert all(torch.equal(a, b) for a, b in zip(held[3], weights[3], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(held[1], weights[1], strict=True))  # untouched
     finally:
         store.close()
 

@@ -78,15 +78,16 @@ def _carve(key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> tuple[list[i
 
 
 class _Buffers:
-    """Reused read buffers for the disk store: at most ``capacity`` (``prefetch + 1``: the group computing and those
-    read ahead) flat byte buffers of the largest group's size (``nbytes``), least recently used first; a group's
-    tensors are carved out of one of them (views, each aligned to 64 bytes), whatever its layout, so blocks and
-    the small layers outside them share the same few buffers. A buffer is handed out again only when nothing but
-    the pool holds its storage: its use count is back to what it was when the pool made it. So not while the
-    reader thread fills it, a group computes with it, or autograd (a layer that saves its weight outside the
-    offloader's saved-tensor hooks), an optimizer or the caller keeps a tensor aliasing it: reusing it then would
-    silently change their values. Such a buffer is left alone and a fresh one allocated (the pool forgets the
-    oldest beyond ``capacity``; its holders keep it alive while they need it)."""
+    """Reused read buffers for the disk store: ``capacity`` (``prefetch + 1``: the group computing and those read
+    ahead) flat byte buffers of the largest group's size (``nbytes``), least recently used first; a group's tensors
+    are carved out of one of them (views, each aligned to 64 bytes), whatever its layout, so blocks and the small
+    layers outside them share the same few buffers. A buffer is handed out again only when nothing but the pool
+    holds its storage: its use count is back to what it was when the pool made it. So not while the reader thread
+    fills it, a group computes with it, or autograd (a layer that saves its weight outside the offloader's
+    saved-tensor hooks), an optimizer or the caller keeps a tensor aliasing it: reusing it then would silently
+    change their values. When every buffer is held so (or a group holding a parameter of its own stays in use
+    while its layers load, at leaf level), the group reads into fresh memory of its own size, freed when it is
+    dropped (``fresh`` counts those)."""
 
     def __init__(self, capacity: int, nbytes: int = 0):
         self.capacity = capacity if _use_count is not None else 0
@@ -94,7 +95,8 @@ class _Buffers:
         self.sets: list[tuple[torch.Tensor, int]] = []  # (flat uint8 buffer, its use count when free)
         self.lock = threading.Lock()
         self.reused = 0
-        self.allocated = 0
+        self.allocated = 0  # pool buffers made (at most capacity)
+        self.fresh = 0  # reads into memory of their own, outside the pool
 
     def take(self, key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> list[torch.Tensor]:
         offsets, need = _carve(key)
@@ -104,12 +106,13 @@ class _Buffers:
                     self.sets.append(self.sets.pop(i))
                     self.reused += 1
                     return _views(buf, key, offsets)
-            buf = torch.empty(max(need, self.nbytes), dtype=torch.uint8)
-            self.allocated += 1
-            if self.capacity:
+            if len(self.sets) < self.capacity:
+                buf = torch.empty(max(need, self.nbytes), dtype=torch.uint8)
                 self.sets.append((buf, _holders(buf)))
-                if len(self.sets) > self.capacity:
-                    del self.sets[0]
+                self.allocated += 1
+            else:
+                buf = torch.empty(need, dtype=torch.uint8)
+                self.fresh += 1
             return _views(buf, key, offsets)
 
     def clear(self) -> None:
