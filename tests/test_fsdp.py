@@ -568,6 +568,7 @@ def test_instrument_wraps_fsdp2_s_internals_restores_them_and_warns_where_torch_
         fsdp_module.instrument(True)
     monkeypatch.undo()
     assert not fsdp_module._saved  # nothing wrapped
-    assert len(said) == 1 and said[0].filename == __file__  # pointed at the caller
+    # pointed at the caller (under mutation testing, mutmut's trampoline calls it)
+    assert len(said) == 1 and (said[0].filename == __file__ or "/mutmut/" in said[0].filename)
     assert "FSDP2's buffers cannot be categorized with this torch" in str(said[0].message)
     assert "_fully_shard" in str(said[0].message)  # the import error, named
