@@ -540,20 +540,24 @@ def test_instrument_wraps_fsdp2_s_internals_restores_them_and_warns_where_torch_
     import builtins
     import warnings
 
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from memkit.memory import fsdp as fsdp_module
 
-    originals = {n: vars(c)[n] for c, n in ((FSDPParam, "all_gather_inputs"), (FSDPParamGroup, "wait_for_unshard"))}
+    # every allocator FSDP2 may get its all-gather and reduce-scatter buffers from: the default one (the fake CPU
+    # group's), a process group's own (NCCL's) and symmetric memory's
+    mixins = [getattr(collectives, n) for n in ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin")]
+    places = [(FSDPParam, "all_gather_inputs"), (FSDPParamGroup, "wait_for_unshard")]
+    places += [(cls, "allocate") for cls in mixins]
+    originals = [vars(cls)[name] for cls, name in places]
     fsdp_module.instrument(True)
     try:
-        assert vars(FSDPParam)["all_gather_inputs"] is not originals["all_gather_inputs"]
-        assert vars(FSDPParamGroup)["wait_for_unshard"] is not originals["wait_for_unshard"]
+        assert all(vars(cls)[name] is not original for (cls, name), original in zip(places, originals, strict=True))
     finally:
         fsdp_module.instrument(False)
-    assert vars(FSDPParam)["all_gather_inputs"] is originals["all_gather_inputs"]
-    assert vars(FSDPParamGroup)["wait_for_unshard"] is originals["wait_for_unshard"]
+    assert all(vars(cls)[name] is original for (cls, name), original in zip(places, originals, strict=True))
 
     real_import = builtins.__import__
 
