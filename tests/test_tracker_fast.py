@@ -1162,20 +1162,31 @@ def test_resizing_a_storage_in_place_frees_its_bytes_then_allocates_the_new_ones
     assert tl.peak_bytes == 4000 + 80 and tl.end_bytes == 2000  # y regrown while x was whole
 
 
-def test_a_storage_first_seen_resized_is_a_temporary_of_its_rounded_size_in_the_phase_it_grows_in():
-    before = torch.zeros(3)  # never given to the tracker
-    w = nn.Parameter(torch.randn(4))
-    grown = torch.zeros(2)
+def _calling_in_backward(fn):
+    """An identity autograd function whose backward returns ``fn(grad)``: code run inside the backward."""
 
-    class Grow(torch.autograd.Function):
+    class CallInBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, t):
             return t * 1
 
         @staticmethod
         def backward(ctx, g):
-            grown.untyped_storage().resize_(48)  # regrown in the backward
-            return g
+            return fn(g)
+
+    return CallInBackward
+
+
+def test_a_storage_first_seen_resized_is_a_temporary_of_its_rounded_size_in_the_phase_it_grows_in():
+    before = torch.zeros(3)  # never given to the tracker
+    w = nn.Parameter(torch.randn(4))
+    grown = torch.zeros(2)
+
+    def regrow(g):
+        grown.untyped_storage().resize_(48)  # regrown in the backward
+        return g
+
+    Grow = _calling_in_backward(regrow)
 
     with track(alloc_granularity=512) as tl:
         before.untyped_storage().resize_(100)  # unknown until now: a temporary of its new (rounded) size
@@ -1260,16 +1271,7 @@ def test_a_storage_regrown_by_a_module_run_in_the_backward_is_an_activation():
             grown.untyped_storage().resize_(48)
             return g
 
-    regather = Regather()
-
-    class Back(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t * 1
-
-        @staticmethod
-        def backward(ctx, g):
-            return regather(g)
+    Back = _calling_in_backward(Regather())
 
     w = nn.Parameter(torch.randn(4))
     grown.untyped_storage().resize_(0)

@@ -67,14 +67,14 @@ def _holders(t: torch.Tensor) -> int:
 _ALIGN = 64  # bytes: each tensor carved out of a buffer starts on a cache line (and any dtype's alignment)
 
 
-def _carve(key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> tuple[list[int], int]:
-    """Where each tensor of a group's layout starts in a flat buffer, and the bytes the buffer needs."""
-    offsets, at = [], 0
+def _carve(key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> tuple[list[tuple[int, int]], int]:
+    """Where each tensor of a group's layout lies in a flat buffer (start, bytes), and the bytes the buffer needs."""
+    spans, at = [], 0
     for dtype, shape in key:
-        offsets.append(at)
         n = math.prod(shape) * dtype.itemsize
+        spans.append((at, n))
         at += -(-n // _ALIGN) * _ALIGN
-    return offsets, at
+    return spans, at
 
 
 class _Buffers:
@@ -99,13 +99,13 @@ class _Buffers:
         self.fresh = 0  # reads into memory of their own, outside the pool
 
     def take(self, key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> list[torch.Tensor]:
-        offsets, need = _carve(key)
+        spans, need = _carve(key)
         with self.lock:
             for i, (buf, free) in enumerate(self.sets):
                 if buf.numel() >= need and _holders(buf) <= free:
                     self.sets.append(self.sets.pop(i))
                     self.reused += 1
-                    return _views(buf, key, offsets)
+                    return _views(buf, key, spans)
             if len(self.sets) < self.capacity:
                 buf = torch.empty(max(need, self.nbytes), dtype=torch.uint8)
                 self.sets.append((buf, _holders(buf)))
@@ -113,20 +113,16 @@ class _Buffers:
             else:
                 buf = torch.empty(need, dtype=torch.uint8)
                 self.fresh += 1
-            return _views(buf, key, offsets)
+            return _views(buf, key, spans)
 
     def clear(self) -> None:
         with self.lock:
             self.sets.clear()
 
 
-def _views(buf: torch.Tensor, key, offsets: list[int]) -> list[torch.Tensor]:
+def _views(buf: torch.Tensor, key, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     """The layout's tensors on ``buf``'s storage: new tensors (never the pool's own), so every holder is counted."""
-    out = []
-    for (dtype, shape), at in zip(key, offsets, strict=True):
-        n = math.prod(shape) * dtype.itemsize
-        out.append(buf[at : at + n].view(dtype).view(shape))
-    return out
+    return [buf[at : at + n].view(dtype).view(shape) for (dtype, shape), (at, n) in zip(key, spans, strict=True)]
 
 
 class CudaStreams:
