@@ -1,6 +1,6 @@
 """The protocol every optimization follows: a config object whose ``apply(model)`` returns a `Handle`.
 
-A handle undoes what ``apply`` did, declares the memory the optimization owns (EMA shadows, offload buffers,
+A handle undoes what ``apply`` did, declares the memory the optimization owns (EMA shadows, offloaded weights,
 pinned staging), so ``track``, ``compare`` and ``estimate`` count it in the right category even when it was
 allocated before tracking began, and carries the work the optimization does once per step (an EMA update, an
 offload write-back), which :class:`memkit.Step` runs after each step.

@@ -5,9 +5,7 @@ import copy
 import errno
 import json
 import os
-import time
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -109,16 +107,37 @@ def test_training_keeps_only_the_groups_in_use():
     assert peak_params <= resident + 4 * biggest < total
 
 
+def _mapped(folder) -> dict[str, list[tuple[int, int]]]:
+    """The offload files under ``folder`` this process has mapped (``/proc/self/maps``): path -> address ranges."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    folder = os.path.realpath(folder)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip().startswith(folder):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.setdefault(fields[5].strip().removesuffix(" (deleted)"), []).append((lo, hi))
+    return out
+
+
+def _in(ranges: list[tuple[int, int]], t: torch.Tensor) -> bool:
+    return any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for lo, hi in ranges)
+
+
+needs_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+
+
+@needs_maps
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_block_level_also_offloads_the_layers_outside_the_blocks(preset, tmp_path):
     """At block level the embedders and final layers are groups too (one per layer): what stays resident is only
-    the model's own parameters and one-element ones. Their buffers are fresh each time (a layout no block shares
-    would otherwise stay in the pool) and are freed when the layer is done."""
+    the model's own parameters and one-element ones. Every group, block or layer, computes on a mapping of its
+    own file, and once the forward is done no file is mapped any more."""
     model = memkit.load_model(preset)
     inputs = memkit.make_inputs(model)
     own = {id(p) for p in model.parameters(recurse=False)}
     with Offload(to="disk", path=tmp_path).apply(model) as handle:
-        groups = handle.offloader.groups
+        groups, store = handle.offloader.groups, handle.offloader.store
         owned = {id(p) for g in groups for p in g.params}
         stay = [n for n, p in model.named_parameters() if id(p) not in owned]
         assert all(id(p) in own or p.numel() <= 1 for n, p in model.named_parameters() if n in stay), stay
@@ -131,50 +150,56 @@ def test_block_level_also_offloads_the_layers_outside_the_blocks(preset, tmp_pat
         with torch.no_grad():
             model(**inputs)  # learns the order
             model(**inputs)
-            buffers = handle.offloader.store.buffers
-            made = buffers.allocated
-            pool = {b.untyped_storage()._cdata for b, _ in buffers.sets}
-            seen: list[int] = []
+            computed_on: dict[int, bool] = {}
 
             def note(g):
-                return lambda m, a: seen.extend(p.untyped_storage()._cdata for p in g.params)
+                def hook(m, a):
+                    ranges = _mapped(tmp_path).get(store.files[g.gid], [])
+                    computed_on[g.gid] = all(_in(ranges, p) for p in g.params)
+
+                return hook
 
             hooks = [m.register_forward_pre_hook(note(g)) for g in groups for m in g.modules]
             model(**inputs)
             for h in hooks:
                 h.remove()
-        # every group, blocks and the layers outside them alike, read into the same few buffers: none made
-        assert buffers.allocated == made <= 2 and len(pool) == made and set(seen) <= pool
+        assert computed_on == {g.gid: True for g in groups}
+        assert _mapped(tmp_path) == {}  # every group dropped, every mapping gone
 
 
-def test_a_group_of_any_layout_is_carved_out_of_a_pooled_buffer_aligned_and_exact(tmp_path):
-    """The pool's buffers are flat bytes of the largest group's size; a group's tensors are views into one, each
-    starting on a 64-byte boundary, whatever their dtypes: a small layer of float16 and int8-sized shapes reads
-    back exactly the values saved."""
-    from memkit.optimizations._offload_store import DiskStore
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_a_group_of_any_layout_loads_back_exactly_and_aligned(mapped, monkeypatch, tmp_path):
+    """Mixed dtypes and sizes come back exactly, mapped (POSIX) or read into fresh memory (where files are not
+    mapped); in the file, tensors whose bytes are a multiple of 64 start on a 64-byte boundary (as torch's
+    allocator places them, so kernels take the same paths), the others on their element size, and safetensors
+    reads the same values."""
+    from safetensors import safe_open
 
-    store = DiskStore(torch.device("cpu"), tmp_path, buffers=2)
+    monkeypatch.setattr(store_mod, "_posix_mapping", lambda: mapped)
+    store = store_mod.DiskStore(torch.device("cpu"), tmp_path)
     try:
-        big = [torch.randn(33, 7), torch.randn(5)]
-        odd = [torch.randn(3).half(), torch.arange(11, dtype=torch.int64), torch.randn(2, 2).to(torch.bfloat16)]
-        store.save(0, ["w", "b"], big)
-        store.save(1, ["x", "y", "z"], odd)
-        nbytes = {0: -(-33 * 7 * 4 // 64) * 64 + 64, 1: 64 + 128 + 64}
-        assert store.buffers.nbytes == max(nbytes.values())
-        for gid, saved in ((1, odd), (0, big), (1, odd)):
-            got = store.load(gid)
-            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, saved, strict=True))
-            base = got[0].untyped_storage()
-            assert all(t.untyped_storage()._cdata == base._cdata for t in got)  # one buffer
-            assert all(t.data_ptr() % 64 == 0 for t in got) and base.nbytes() == store.buffers.nbytes
-            del got, base
-        assert store.buffers.allocated == 1 and store.buffers.reused == 2  # the one buffer, three times
+        odd = {
+            "h": torch.randn(3).half(), "i": torch.arange(11, dtype=torch.int64), "w": torch.randn(33, 7),
+            "bf": torch.randn(2, 2).to(torch.bfloat16), "big": torch.randn(16, 16), "flag": torch.tensor([True, False]),
+        }  # fmt: skip
+        store.save(0, list(odd), list(odd.values()))
+        assert store.map is mapped
+        for _ in range(2):
+            got = store.load(0)
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, odd.values(), strict=True))
+            assert got[4].data_ptr() % 64 == 0  # 1 KiB: a multiple of 64
+            assert all(t.data_ptr() % t.element_size() == 0 for t in got)
+            assert all(t.untyped_storage()._cdata == got[0].untyped_storage()._cdata for t in got) is mapped
+            del got
+        assert store.mapped == (2 if mapped else 0)
+        with safe_open(store.files[0], "pt") as f:
+            assert all(torch.equal(f.get_tensor(k), v) for k, v in odd.items())
     finally:
         store.close()
 
 
 class _Stack(nn.Module):
-    """Six blocks of one layout (so one set of buffers fits every block), run in order with residuals."""
+    """Six blocks of one layout, run in order with residuals."""
 
     def __init__(self, n: int = 6, d: int = 16):
         super().__init__()
@@ -188,113 +213,120 @@ class _Stack(nn.Module):
         return x
 
 
+@needs_maps
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_inference_reads_every_step_into_the_same_few_buffers(prefetch, tmp_path):
-    """Steady-state forwards allocate no weights: every block's weights sit in one of ``prefetch + 1`` sets of
-    buffers that stay alive across steps (reused, not freed and allocated again), never one still in use."""
+def test_inference_maps_only_the_groups_in_use_and_those_read_ahead(prefetch, tmp_path):
+    """Each block computes on its own file's mapping; when a block starts at most ``prefetch + 1`` files are
+    mapped (it and those read ahead), and after each forward none: RSS holds only the groups in use."""
     ref = _Stack()
     model, x = copy.deepcopy(ref), torch.randn(4, 16)
-    seen: list[tuple[int, weakref.ref]] = []
+    most, after = [], []
     with Offload(to="disk", prefetch=prefetch, path=tmp_path).apply(model) as handle:
+        files = handle.offloader.store.files
         groups = handle.offloader.groups
 
         def record(block, args):
-            mine = {p.data_ptr() for p in block.parameters()}
-            others = {t.data_ptr() for g in groups if g.real is not None and block not in g.modules for t in g.real}
-            assert mine.isdisjoint(others)  # another onloaded group's buffers are not this one's
-            seen.extend((p.data_ptr(), weakref.ref(p.untyped_storage())) for p in block.parameters())
+            maps = _mapped(tmp_path)
+            (g,) = [g for g in groups if block in g.modules]
+            assert all(_in(maps.get(files[g.gid], []), p) for p in block.parameters())
+            most.append(len(maps))
 
         hooks = [b.register_forward_pre_hook(record) for b in model.blocks]
         with torch.no_grad():
             for _ in range(4):
                 assert torch.equal(model(x), ref(x))
+                after.append(len(_mapped(tmp_path)))
         for h in hooks:
             h.remove()
-        assert len(seen) == 4 * sum(len(g.params) for g in groups)
-        assert len({ptr for ptr, _ in seen}) <= (prefetch + 1) * len(groups[0].params)
-        assert all(r() is not None for _, r in seen)  # alive in the pool: freed storages would be gone
-        assert handle.offloader.store.buffers.allocated <= prefetch + 1
+    assert len(most) == 4 * len(model.blocks) and max(most[len(model.blocks) :]) == prefetch + 1
+    assert after == [0, 0, 0, 0]
 
 
 def _stack_loss(net: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
     if how == "model":
         return net(x).pow(2).mean()
     out = x  # the blocks called one by one: no model forward, so no saved-tensor hooks; each linear saves a view
-    for b in net.blocks:  # of its weight itself, aliasing the buffer after the offloader has let the group go
+    for b in net.blocks:  # of its weight itself, aliasing the mapping after the offloader has let the group go
         out = out + b(out)
     return out.pow(2).mean()
 
 
+@needs_maps
 @pytest.mark.parametrize("how", ["model", "blocks called directly"])
-def test_training_never_reuses_a_buffer_autograd_still_holds(how, tmp_path):
-    """3 steps (forward, backward, AdamW) equal the model in memory. Through the model the saved weights are
-    references (buffers get reused); called block by block, autograd keeps views of the buffers for the backward,
-    so the pool must leave those alone (reusing one would feed the backward another block's weights)."""
+def test_training_keeps_what_autograd_holds_mapped_and_nothing_else(how, tmp_path):
+    """3 steps (forward, backward, AdamW) equal the model in memory. Through the model the weights autograd saves
+    are references, rebuilt in the backward: at the backward's start only the groups in use and read ahead are
+    mapped. Called block by block, autograd keeps views of each block's mapping for the backward: every block's
+    file stays mapped until then, with its values, though the offloader dropped the group (and the optimizer step
+    writes a new file in its place)."""
     ref = _Stack()
     model, x = copy.deepcopy(ref), torch.randn(4, 16)
     with Offload(to="disk", prefetch=1, path=tmp_path).apply(model):
-        storages: list[set[int]] = []  # per step: where the blocks' last weights were read (saved by autograd)
-        hooks = [
-            b.register_forward_pre_hook(lambda b, a: storages[-1].add(b[-1].weight.data_ptr())) for b in model.blocks
-        ]
+        mapped_at_backward = []
         opts = [torch.optim.AdamW(net.parameters(), lr=1e-2) for net in (ref, model)]
         for _ in range(3):
-            storages.append(set())
             for net in (ref, model):
-                _stack_loss(net, x, how).backward()
+                loss = _stack_loss(net, x, how)
+                if net is model:
+                    mapped_at_backward.append(len(_mapped(tmp_path)))
+                loss.backward()
             assert _max_diff([p.grad for p in ref.parameters()], [p.grad for p in model.parameters()]) <= TOL
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-        for h in hooks:
-            h.remove()
         with torch.no_grad():
             assert _max_diff([ref(x)], [model(x)]) <= TOL
     assert _max_diff(list(ref.parameters()), list(model.parameters())) <= TOL
-    for step in storages:
-        if how == "model":
-            assert len(step) <= 2  # prefetch + 1 sets, reused block after block
-        else:
-            assert len(step) == len(model.blocks)  # all held by autograd until the backward: none reused
+    if how == "model":
+        assert max(mapped_at_backward) <= 2  # the last block and the one read ahead for the backward
+    else:
+        assert mapped_at_backward == [len(model.blocks)] * 3  # all held by autograd until the backward
 
 
-def test_a_buffer_is_never_handed_out_while_a_read_ahead_or_its_caller_holds_it(monkeypatch, tmp_path):
-    """With the reader thread slow, buffers taken for reads in flight or still held are not given to the next
-    read (which then reads into fresh memory of its own size, outside the pool); a pool buffer freed by its holder
-    is."""
-    store = store_mod.DiskStore(torch.device("cpu"), tmp_path, buffers=2)
-    weights = {gid: [torch.full((64, 64), float(gid)), torch.full((64,), -float(gid))] for gid in range(4)}
-    for gid, tensors in weights.items():
-        store.save(gid, ["w", "b"], tensors)
-    fill = store._fill
-
-    def slow(gid, out):
-        time.sleep(0.05)  # still reading when the next reads take their buffers
-        return fill(gid, out)
-
-    def ptrs(tensors):
-        return {t.data_ptr() for t in tensors}
-
-    monkeypatch.setattr(store, "_fill", slow)
+def test_a_tensor_held_from_a_load_keeps_its_values_and_never_writes_the_file(tmp_path):
+    """Each load is a mapping of its own: a tensor kept from an earlier load (by a read ahead, autograd, the
+    caller) keeps its values when the group is written back and loaded again, and writing into one copies the
+    pages it touches: neither the file nor the other loads see it."""
+    store = store_mod.DiskStore(torch.device("cpu"), tmp_path)
     try:
-        ahead = [store.prefetch(0), store.prefetch(1)]  # the pool's two buffers, both in flight
-        loaded = store.load(2)  # none free: fresh memory of its own size
-        held = {gid: f.result() for gid, f in enumerate(ahead)}
-        held[2] = loaded
-        assert ptrs(held[0]).isdisjoint(ptrs(held[1])) and ptrs(held[2]).isdisjoint(ptrs(held[0]) | ptrs(held[1]))
-        pool = {b.untyped_storage()._cdata for b, _ in store.buffers.sets}
-        assert [held[g][0].untyped_storage()._cdata in pool for g in range(3)] == [True, True, False]
-        assert (store.buffers.allocated, store.buffers.fresh) == (2, 1)
-        first = ptrs(held[0])
-        for gid, tensors in held.items():
-            assert all(torch.equal(a, b) for a, b in zip(tensors, weights[gid], strict=True)), gid
-        del held[0], loaded, ahead  # its holder lets group 0's buffer go: the next read reuses it, not group 1's
-        held[3] = store.prefetch(3).result()
-        assert ptrs(held[3]) == first and store.buffers.reused == 1
-        assert all(torch.equal(a, b) for a, b in zip(held[3], weights[3], strict=True))
-        assert all(torch.equal(a, b) for a, b in zip(held[1], weights[1], strict=True))  # untouched
+        old = [torch.full((64, 64), 1.0), torch.full((64,), -1.0)]
+        store.save(0, ["w", "b"], old)
+        ahead = store.prefetch(0)
+        held = store.load(0)
+        new = [torch.full((64, 64), 2.0), torch.full((64,), -2.0)]
+        store.write_back(0, new)
+        again = store.load(0)
+        assert all(torch.equal(a, b) for a, b in zip(ahead.result(), old, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(held, old, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(again, new, strict=True))
+        held[0].add_(10.0)  # copy-on-write: this load's pages only
+        assert torch.equal(held[0], old[0] + 10.0) and torch.equal(ahead.result()[0], old[0])
+        assert all(torch.equal(a, b) for a, b in zip(store.load(0), new, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(store.read(0), new, strict=True))
     finally:
         store.close()
+
+
+@needs_maps
+def test_a_tracker_sees_each_mapping_as_parameter_memory_made_and_freed(tmp_path):
+    """The mapped weights are allocations a tracker records when the group is mapped (the op says so) and frees
+    when it is unmapped: one block's weights at prefetch 0, not the model's, and none after the forward."""
+    model, x = _Stack(), torch.randn(4, 16)
+    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    with Offload(to="disk", prefetch=0, path=tmp_path).apply(model) as handle:
+        with torch.no_grad():
+            model(x)
+            with memkit.track(model, inputs=(x,)) as tl:
+                model(x)
+        assert handle.offloader.store.mapped == 2 * len(model.blocks)
+    events = tl.to_pandas()
+    made = events[(events.op == "mmap") & (events.action == "alloc")]
+    assert len(made) == len(model.blocks) and set(made.category) == {"parameter"}
+    assert all(block <= n < block + 4096 for n in made.bytes)  # the file: its header, then the weights
+    freed = events[(events.category == "parameter") & (events.action == "free")]
+    assert sorted(freed.bytes) == sorted(made.bytes)  # each mapping freed, as the next block is mapped
+    assert tl.peak_by_category()["parameter"] < 2 * (block + 4096)
+    assert tl.live_by_category()["parameter"][-1] == tl.baseline_by_category["parameter"] < 64  # placeholders
 
 
 @pytest.mark.parametrize("to", ["disk", "cpu"])
@@ -321,8 +353,12 @@ def test_remove_restores_bit_for_bit_the_same_parameters_and_deletes_the_files(t
     folder = handle.folder
     assert folder.startswith(str(tmp_path)) and len(os.listdir(folder)) == len(handle.offloader.groups)
     memkit.train_step(model, inputs)
+    linux = os.path.exists("/proc/self/maps")
+    assert any(g.real is not None for g in handle.offloader.groups)  # the backward's last groups: onloaded
+    assert _mapped(tmp_path) if linux else True
     handle.remove()
     assert not os.path.exists(folder) and os.listdir(tmp_path) == []
+    assert _mapped(tmp_path) == {} if linux else True  # no weight left on a deleted file's mapping (its disk space)
     assert {n: p for n, p in model.named_parameters()} == params  # same objects
     assert all(a is b for a, b in zip(params.values(), model.parameters(), strict=True))
     for (k, v), (k2, v2) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
@@ -667,3 +703,23 @@ def test_cuda_prefetch_copies_on_a_side_stream_and_the_compute_stream_waits(monk
     out = pending.result()
     assert fake.log[-1][:2] == ("wait", "compute") and recorded == ["compute", "compute"]
     assert all(torch.equal(a, b) and a is not b for a, b in zip(out, weights, strict=True))
+
+
+def test_on_an_accelerator_the_mapping_is_host_memory_and_each_copy_a_parameter_allocation(tmp_path):
+    """On a device other than the CPU (the meta device stands in for CUDA here), a load maps the file as the host
+    side of the copy: a tracker counts that in host memory, off the device's timeline, and each copy on the
+    device as a parameter allocation, a read ahead's too (made on the reader thread, told on the caller's)."""
+    store = store_mod.DiskStore(torch.device("meta"), tmp_path)
+    try:
+        store.save(0, ["w"], [torch.randn(64, 64)])
+        with memkit.track() as tl:
+            got = store.load(0)
+            later = store.prefetch(0).result()
+        assert got[0].device.type == later[0].device.type == "meta" and got[0].shape == (64, 64)
+        rows = tl.to_pandas()
+        assert list(zip(rows.action, rows.bytes, rows.category, rows.device, strict=True)) == [
+            ("alloc", 64 * 64 * 4, "parameter", "meta"), ("alloc", 64 * 64 * 4, "parameter", "meta"),
+        ]  # fmt: skip
+        assert tl.meta["host_peak_bytes"] >= 64 * 64 * 4  # the mapping: header and weights
+    finally:
+        store.close()

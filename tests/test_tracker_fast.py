@@ -1319,3 +1319,33 @@ def test_host_state_counts_the_most_alive_at_once_not_the_sum():
         tag([c], "ema")
     assert tl.meta["host_state_bytes"] == {"ema": 512}  # a freed before c: two alive at most, not three
     del b, c
+
+
+def test_tag_made_records_memory_made_outside_dispatch_as_allocated_now_and_freed_with_it(tmp_path):
+    """A file mapped into memory (torch.frombuffer on an mmap: no op a tracker sees) tagged with ``made``: an
+    allocation of its bytes at that moment, in the category given, under the op named, freed when the storage
+    is; tagged without ``made`` the same memory counts as live since before the window (the baseline)."""
+    import mmap
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
+
+    def mapped() -> torch.Tensor:
+        with open(path, "rb") as f:
+            return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+
+    with track() as tl:
+        torch.zeros(8)
+        t = mapped()
+        tag(t, "parameter", made="mmap")
+        view = t[64:128].view(torch.float32)  # views of it are the same storage: nothing more
+        tag(view, "parameter", made="mmap")
+        del t, view
+        u = mapped()
+        tag(u, "parameter")  # not made here, as far as the tracker is told: the baseline
+    ev = [r for r in events(tl) if r["op"] == "mmap"]
+    assert [(r["action"], r["bytes"], r["category"]) for r in ev] == [(ALLOC, 16384, "parameter")]
+    frees = [r for r in events(tl) if r["action"] == FREE and r["category"] == "parameter"]
+    assert [r["bytes"] for r in frees] == [16384] and frees[0]["time"] > ev[0]["time"]
+    assert tl.baseline_by_category["parameter"] == 16384  # u
+    del u

@@ -511,6 +511,8 @@ class Tracker:
             if kept is not None:  # host state keeps its bytes off the timeline, under the category it is given
                 self._kept_category[kept[2]] = category
                 continue
+            if key in self._host:  # a host copy made off the device (off_device()): not on the device's timeline
+                continue
             entry = self._live.get(key)
             if entry is not None:
                 self._retag(entry, code)
@@ -756,17 +758,25 @@ def _start_cuda_history(wanted: bool | None, max_entries: int):
     return record_cuda_history(max_entries)
 
 
-def tag(tensors: Iterable[torch.Tensor] | torch.Tensor, category: str) -> None:
+def tag(tensors: Iterable[torch.Tensor] | torch.Tensor, category: str, *, made: str | None = None) -> None:
     """Tell every active tracker that ``tensors`` belong to ``category`` (no-op when none is active).
 
-    Optimizations call this for the memory they own (EMA shadows, offload buffers).
+    Optimizations call this for the memory they own (EMA shadows, offloaded weights). A storage a tracker has not
+    seen counts as live since before the window, unless ``made`` says it was made just now outside torch's
+    dispatch, where trackers see allocations (``made`` names how, for the timeline's op column: a file mapped into
+    memory): then it is an allocation now, freed when the storage is.
 
     Example:
         >>> memkit.memory.tag(shadow_params, "ema")
+        >>> mapped = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+        >>> memkit.memory.tag(mapped, "parameter", made="mmap")
     """
     check_category(category)
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     for tracker in list(_active):
+        if made is not None:
+            for t in tensors:
+                tracker._outside_dispatch(t, made)
         tracker.register(tensors, category)
 
 

@@ -1,22 +1,23 @@
 """Where :class:`memkit.Offload` keeps a group's weights while it is offloaded: CPU memory or a file per group.
 
 A store saves a group's tensors once (``save``), gives them back (``load``, or ``prefetch``: the same, started now
-and waited for later), and takes changed values back (``write_back``). The disk store reads into a small pool of
-reused buffers (:class:`_Buffers`), so steady-state forwards allocate no weight memory. Files are safetensors
-(readable by ``safetensors.safe_open``), written to a temporary name and renamed into place, and checked on every
-read (header, names, dtypes, shapes, file size). Under ``FakeTensorMode`` (``memkit.estimate``) nothing is written
-or read: a load only allocates, so the estimate counts the onloaded groups.
+and waited for later), and takes changed values back (``write_back``). The disk store maps each group's file into
+memory copy-on-write when the group is used (nothing copied: the page cache's pages are the weights) and unmaps it
+when the group's tensors are freed. Files are safetensors (readable by ``safetensors.safe_open``), written to a
+temporary name and renamed into place, and checked on every load (size and header: names, dtypes, shapes,
+offsets). Under ``FakeTensorMode`` (``memkit.estimate``) nothing is written or read: a load only allocates, so the
+estimate counts the onloaded groups.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
+import mmap
 import os
 import shutil
 import struct
 import tempfile
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -36,8 +37,6 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_ALIGN = 8  # safetensors pads its header to 8 bytes
-_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: without it buffers are never reused
 
 
 class OffloadError(OSError):
@@ -59,70 +58,37 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _holders(t: torch.Tensor) -> int:
-    """References to the storage behind ``t``: one per tensor or view using it, one for its Python object."""
-    return _use_count(t.untyped_storage()._cdata)
+_ALIGN = 64  # bytes: where a file's data starts, and so every tensor whose bytes are a multiple of it
 
 
-_ALIGN = 64  # bytes: each tensor carved out of a buffer starts on a cache line (and any dtype's alignment)
+def _posix_mapping() -> bool:
+    """Whether offload files are mapped into memory (copy-on-write) rather than read: on POSIX systems. Windows
+    cannot replace a file that is mapped, which writing a changed group back does."""
+    return os.name == "posix" and hasattr(mmap.mmap, "madvise")
 
 
-def _carve(key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> tuple[list[tuple[int, int]], int]:
-    """Where each tensor of a group's layout lies in a flat buffer (start, bytes), and the bytes the buffer needs."""
-    spans, at = [], 0
-    for dtype, shape in key:
-        n = math.prod(shape) * dtype.itemsize
-        spans.append((at, n))
-        at += -(-n // _ALIGN) * _ALIGN
-    return spans, at
+def _read_ahead(mapped: mmap.mmap) -> None:
+    """Ask the kernel to read a mapped file ahead (``MADV_WILLNEED``: the reads start now, asynchronously; pages in
+    the page cache already cost nothing, and none is mapped, so RSS grows only when the compute touches them).
+    Measured on this project's 2-core VM with the files evicted (bench/offload.py, 2026-11-24): a cold forward took
+    1.47-1.58x the model in RAM with this, with ``MADV_POPULATE_READ`` (which also maps every page, from the reader
+    thread) or with no hint at all, prefetch 1 or 0 alike: none of them hid the disk reads there."""
+    try:
+        mapped.madvise(mmap.MADV_WILLNEED)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
-class _Buffers:
-    """Reused read buffers for the disk store: ``capacity`` (``prefetch + 1``: the group computing and those read
-    ahead) flat byte buffers of the largest group's size (``nbytes``), least recently used first; a group's tensors
-    are carved out of one of them (views, each aligned to 64 bytes), whatever its layout, so blocks and the small
-    layers outside them share the same few buffers. A buffer is handed out again only when nothing but the pool
-    holds its storage: its use count is back to what it was when the pool made it. So not while the reader thread
-    fills it, a group computes with it, or autograd (a layer that saves its weight outside the offloader's
-    saved-tensor hooks), an optimizer or the caller keeps a tensor aliasing it: reusing it then would silently
-    change their values. When every buffer is held so (or a group holding a parameter of its own stays in use
-    while its layers load, at leaf level), the group reads into fresh memory of its own size, freed when it is
-    dropped (``fresh`` counts those)."""
+class _Tagging:
+    """A prefetch's future whose device tensors are told to the trackers by the thread that takes them."""
 
-    def __init__(self, capacity: int, nbytes: int = 0):
-        self.capacity = capacity if _use_count is not None else 0
-        self.nbytes = nbytes
-        self.sets: list[tuple[torch.Tensor, int]] = []  # (flat uint8 buffer, its use count when free)
-        self.lock = threading.Lock()
-        self.reused = 0
-        self.allocated = 0  # pool buffers made (at most capacity)
-        self.fresh = 0  # reads into memory of their own, outside the pool
+    def __init__(self, future: Future):
+        self.future = future
 
-    def take(self, key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> list[torch.Tensor]:
-        spans, need = _carve(key)
-        with self.lock:
-            for i, (buf, free) in enumerate(self.sets):
-                if buf.numel() >= need and _holders(buf) <= free:
-                    self.sets.append(self.sets.pop(i))
-                    self.reused += 1
-                    return _views(buf, key, spans)
-            if len(self.sets) < self.capacity:
-                buf = torch.empty(max(need, self.nbytes), dtype=torch.uint8)
-                self.sets.append((buf, _holders(buf)))
-                self.allocated += 1
-            else:
-                buf = torch.empty(need, dtype=torch.uint8)
-                self.fresh += 1
-            return _views(buf, key, spans)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.sets.clear()
-
-
-def _views(buf: torch.Tensor, key, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """The layout's tensors on ``buf``'s storage: new tensors (never the pool's own), so every holder is counted."""
-    return [buf[at : at + n].view(dtype).view(shape) for (dtype, shape), (at, n) in zip(key, spans, strict=True)]
+    def result(self) -> list[torch.Tensor]:
+        out = self.future.result()
+        tag(out, "parameter", made="to (read ahead)")  # made on the reader thread, where no tracker sees
+        return out
 
 
 class CudaStreams:
@@ -248,15 +214,25 @@ class FakeDiskStore:
 
 class DiskStore:
     """One safetensors file per group in a fresh folder (``tempfile.mkdtemp(prefix="memkit-offload-")`` under
-    ``path``): never another model's files. Reads run on one background thread for prefetches, into buffers
-    taken on the calling thread (so a memory tracker sees them as they are made) from a pool of ``buffers`` groups'
-    worth (the largest group's bytes each) that are reused once nobody holds them (:class:`_Buffers`), by blocks
-    and the layers outside them alike. On an accelerator the pool's buffers are
-    the host side of the copy (pageable memory: the copy has read them when ``to()`` returns)."""
+    ``path``): never another model's files.
+
+    A load maps the group's file into memory, copy-on-write (``mmap.ACCESS_COPY``), after checking its size and
+    header, and gives views of the mapping: nothing is copied, the page cache's pages are the weights, and the
+    data starting on a 64-byte boundary puts each tensor where torch's allocator would (so kernels take the same
+    paths and results are bit for bit the model's in RAM). Writes into them (an optimizer step) copy the pages
+    they touch and never reach the file; :meth:`write_back` writes a new file in its place. The mapping goes when
+    the last tensor viewing it is freed, so whatever still holds one (autograd, the caller) keeps its values, and
+    RSS drops as the group is dropped. A prefetch maps on the calling thread (so a memory tracker sees the mapping
+    made) and asks the kernel to read the file ahead from a background thread (``MADV_WILLNEED``): on a real disk,
+    the reads overlap the compute. Where files are not mapped (Windows) and for tensors handed to the caller to keep
+    (:meth:`read`: a state_dict, the weights after ``remove()``), the file is read into fresh memory. On an
+    accelerator the mapping is the host side of the copy to the device. The folder is the process's own
+    (``mkdtemp``: mode 0700): a file truncated by someone else while a group of it is mapped would fault on access,
+    as with any memory-mapped file (safetensors' own loading maps files too)."""
 
     kind = "disk"
 
-    def __init__(self, device: torch.device, path: str | os.PathLike | None, buffers: int = 2):
+    def __init__(self, device: torch.device, path: str | os.PathLike | None):
         self.device = device
         parent = os.fspath(path) if path is not None else None
         try:
@@ -271,42 +247,47 @@ class DiskStore:
             ) from e  # fmt: skip
         self.files: dict[int, str] = {}
         self.layout: dict[int, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]] = {}
+        self.heads: dict[int, bytes] = {}  # each file's first bytes as written (length and header)
         self.bytes_read = 0
         self.bytes_written = 0
-        self.buffers = _Buffers(buffers)
+        self.mapped = 0  # loads served by mapping the file
+        self.map = _posix_mapping()
         self._pool: ThreadPoolExecutor | None = None
 
     # -- writing -------------------------------------------------------------------------------------------
     def save(self, gid: int, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
         path = os.path.join(self.folder, f"group-{gid:04d}.safetensors")
         self.files[gid] = path
-        self.layout[gid] = _write(path, names, tensors)
-        self.buffers.nbytes = max(self.buffers.nbytes, _carve(self._key(gid))[1])
+        self.layout[gid], self.heads[gid] = _write(path, names, tensors)
         self.bytes_written += os.path.getsize(path)
 
     def write_back(self, gid: int, tensors: Sequence[torch.Tensor]) -> None:
         names = [name for name, *_ in self.layout[gid]]
-        self.layout[gid] = _write(self.files[gid], names, tensors)
+        self.layout[gid], self.heads[gid] = _write(self.files[gid], names, tensors)
         self.bytes_written += os.path.getsize(self.files[gid])
 
     # -- reading -------------------------------------------------------------------------------------------
-    def _key(self, gid: int) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
-        return tuple((dtype, shape) for _, dtype, shape, _, _ in self.layout[gid])
-
-    def _alloc(self, gid: int, reuse: bool = True) -> list[torch.Tensor]:
-        if reuse:
-            out = self.buffers.take(self._key(gid))
-        else:  # for the caller to keep (a state_dict, the weights after remove()): never a pool buffer
-            out = [torch.empty(shape, dtype=dtype) for dtype, shape in self._key(gid)]
-        tag(out, "parameter")
-        return out
+    def _open(self, gid: int):
+        """The group's file, open and checked against what was written (its size, and its header: the bytes as
+        written, or else parsed and compared entry by entry); returns the file and where its data starts."""
+        path, layout, head = self.files[gid], self.layout[gid], self.heads[gid]
+        f = open(path, "rb", buffering=0)
+        try:
+            expected = len(head) + max((end for *_, end in layout), default=0)
+            if os.fstat(f.fileno()).st_size == expected and f.read(len(head)) == head:
+                return f, len(head)
+            f.seek(0)
+            return f, _check_header(f, path, layout)
+        except BaseException:
+            f.close()
+            raise
 
     def _fill(self, gid: int, out: list[torch.Tensor]) -> list[torch.Tensor]:
         path = self.files[gid]
         layout = self.layout[gid]
         try:
-            with open(path, "rb", buffering=0) as f:
-                start = _check_header(f, path, layout)
+            f, start = self._open(gid)
+            with f:
                 for (_, _, _, begin, end), t in sorted(zip(layout, out, strict=True), key=lambda r: r[0][3]):
                     f.seek(start + begin)
                     view, got = _bytes_view(t), 0
@@ -320,43 +301,99 @@ class DiskStore:
         except OSError as e:
             raise OffloadError(e.errno, f"cannot read offload file {path!r}: {e.strerror or e}", path) from e
         self.bytes_read += sum(end - begin for *_, begin, end in layout)
-        if self.device.type != "cpu":
-            out = [t.to(self.device, non_blocking=True) for t in out]
+        return out
+
+    def _map(self, gid: int) -> tuple[list[torch.Tensor], mmap.mmap]:
+        """The group's tensors as views of its file mapped copy-on-write, and the mapping."""
+        path = self.files[gid]
+        try:
+            f, start = self._open(gid)
+            with f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OffloadError:
+            raise
+        except (OSError, ValueError) as e:
+            raise OffloadError(getattr(e, "errno", 0) or 0, f"cannot map offload file {path!r}: {e}", path) from e
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)
+        if self.device.type == "cpu":
+            tag(whole, "parameter", made="mmap")
+        else:
+            with off_device():  # the host side of the copy to the device
+                tag(whole, "parameter", made="mmap")
+        out = [whole[start + b : start + e].view(dtype).view(shape) for _, dtype, shape, b, e in self.layout[gid]]
+        self.bytes_read += sum(end - begin for *_, begin, end in self.layout[gid])
+        self.mapped += 1
+        return out, mapped
+
+    def _fresh(self, gid: int) -> list[torch.Tensor]:
+        with off_device() if self.device.type != "cpu" else contextlib.nullcontext():
+            out = [torch.empty(shape, dtype=dtype) for _, dtype, shape, _, _ in self.layout[gid]]
+        tag(out, "parameter")
+        return out
+
+    def _to_device(self, host: list[torch.Tensor], tagged: bool = True) -> list[torch.Tensor]:
+        """The host tensors copied to the device (``tagged``: told to the trackers, which only the calling thread
+        may do; a prefetch's copies are told when the caller takes them)."""
+        if self.device.type == "cpu":
+            return host
+        out = [t.to(self.device, non_blocking=True) for t in host]
+        if tagged:
+            tag(out, "parameter")
         return out
 
     def load(self, gid: int) -> list[torch.Tensor]:
-        return self._fill(gid, self._alloc(gid))
+        host = self._map(gid)[0] if self.map else self._fill(gid, self._fresh(gid))
+        return self._to_device(host)
 
-    def prefetch(self, gid: int) -> Future:
+    def prefetch(self, gid: int) -> Future | _Tagging:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memkit-offload")
-        out = self._alloc(gid)
-        return self._pool.submit(self._fill, gid, out)
+        if not self.map:
+            out = self._fresh(gid)
+            future = self._pool.submit(lambda: self._to_device(self._fill(gid, out), tagged=False))
+        else:
+            out, mapped = self._map(gid)
+
+            def bring_in() -> list[torch.Tensor]:
+                _read_ahead(mapped)
+                return self._to_device(out, tagged=False)
+
+            future = self._pool.submit(bring_in)
+        return future if self.device.type == "cpu" else _Tagging(future)
 
     def read(self, gid: int) -> list[torch.Tensor]:
-        return self._fill(gid, self._alloc(gid, reuse=False))
+        """The group's values in fresh memory (never mapped), for the caller to keep: a state_dict's entries."""
+        return self._to_device(self._fill(gid, self._fresh(gid)))
 
     def restore(self, gid: int, current: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        return list(current) if current is not None else self.read(gid)
+        """What the parameters get back on ``remove()``: fresh memory, never a mapping of a file about to go
+        (it would keep the file's disk space until the model is freed)."""
+        if current is None:
+            return self.read(gid)
+        with torch.no_grad():
+            return [t.clone() for t in current]
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self.buffers.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _write(path: str, names: Sequence[str], tensors: Sequence[torch.Tensor]):
     """Write ``tensors`` as a safetensors file at ``path`` atomically (a temporary name, then ``os.replace``);
-    returns each tensor's (name, dtype, shape, begin, end) in the given order. Widest dtypes first, so every
-    tensor starts aligned to its element size. On failure no file is left and an OffloadError names ``path``."""
+    returns each tensor's (name, dtype, shape, begin, end) in the given order, and the file's first bytes (its
+    header's length and the header). The data starts on a 64-byte boundary. Tensors whose bytes are a multiple of
+    64 come first (each starts on a 64-byte boundary, as torch's allocator places tensors), then the rest widest
+    dtype first (each aligned to its element size). On failure no file is left and an OffloadError names
+    ``path``."""
     cpu = []
     with off_device():
         for t in tensors:
             t = t.detach()
             cpu.append(t.to("cpu").contiguous() if t.device.type != "cpu" else t.contiguous())
-    order = sorted(range(len(cpu)), key=lambda i: -cpu[i].element_size())
+    nbytes = [t.numel() * t.element_size() for t in cpu]
+    order = sorted(range(len(cpu)), key=lambda i: (nbytes[i] % _ALIGN != 0, -cpu[i].element_size()))
     header, layout, offset = {}, [None] * len(cpu), 0
     for i in order:
         t = cpu[i]
@@ -368,12 +405,12 @@ def _write(path: str, names: Sequence[str], tensors: Sequence[torch.Tensor]):
         offset += n
     header["__metadata__"] = {"format": "pt", "writer": "memkit.Offload"}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % _ALIGN)
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)  # the data starts on a cache line
+    head = struct.pack("<Q", len(raw)) + raw
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
+            f.write(head)
             for i in order:
                 if cpu[i].numel():
                     f.write(_bytes_view(cpu[i]))
@@ -386,7 +423,7 @@ def _write(path: str, names: Sequence[str], tensors: Sequence[torch.Tensor]):
         raise OffloadError(
             e.errno, f"cannot write offload file {path!r}: {e.strerror or e}; the weights stay in memory", path
         ) from e
-    return layout
+    return layout, head
 
 
 def _check_header(f, path: str, layout) -> int:

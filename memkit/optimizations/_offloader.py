@@ -148,7 +148,7 @@ class _Offloader:
         """A module of ``g`` starts its forward (``top``: a block itself; else one of its layers, which a model may
         call outside the block, as DiT calls block 0's embedder after the last block): the groups not in use go,
         ``g`` comes, and, when the block itself starts, the next ones start loading (not for a layer called out of
-        order: its read-ahead would hold a buffer that nothing uses until the next step)."""
+        order: its read-ahead would hold a mapping that nothing uses until the next step)."""
         g.active += 1
         if g.real is None:
             self.offload_others(keep=[g])
@@ -206,7 +206,7 @@ class _Offloader:
         with self.lock:
             if g.real is None:
                 ahead = self.ahead_of(g, -1)
-                self.offload_others(keep=[g, *ahead])  # first, so the reads ahead can reuse their buffers
+                self.offload_others(keep=[g, *ahead])  # first: the groups not needed go before more come in
                 self.start(ahead)
                 self.onload(g)
             base = g.real[ref.index]

@@ -8,10 +8,11 @@ parameters and one-element ones stay). Costs: one transfer per group per forward
 per backward in training), hidden behind compute when a group's bytes over the bandwidth take less time than
 its FLOPs over the throughput (prefetch makes that overlap); in training ``optimizer.step()`` onloads every
 group (the update needs the weights with their gradients and states) and changed weights are written back
-before the group is offloaded again, at the next forward. ``to="disk"`` reads into ``prefetch + 1`` groups' worth
-of buffers reused from forward to forward (never one that autograd or anyone else still holds: then a fresh one),
-so a steady-state forward allocates no weights. Does nothing for ``to="cpu"`` when the model computes on the CPU
-(its weights are in CPU memory already).
+before the group is offloaded again, at the next forward. ``to="disk"`` maps a group's file into memory
+(copy-on-write) when the group is used and unmaps it when the group is dropped: nothing is copied (the weights
+are the page cache's pages, RSS only while mapped), and whatever still holds a tensor of it (autograd, the
+caller) keeps its mapping and its values. Does nothing for ``to="cpu"`` when the model computes on the CPU (its
+weights are in CPU memory already).
 
 Training is correct: the tensors autograd saves that are views of offloaded weights are kept as references and
 rebuilt in the backward from the group, onloaded again in reverse order; ``state_dict()`` gives real values while
@@ -104,7 +105,7 @@ class Offload:
 
     The onload device is where the model computes. On CUDA ``to="cpu"`` keeps the weights in pinned CPU memory
     and copies each group in before it runs; on the CPU it moves nothing (a warning says so) and ``to="disk"``
-    keeps a safetensors file per group in a fresh folder, reading a group into RAM only while it runs or is
+    keeps a safetensors file per group in a fresh folder, mapping a group into RAM only while it runs or is
     prefetched, so peak RSS drops. Trade-off: weight memory falls to ``(1 + prefetch)`` groups for one transfer of
     every group per forward (and per backward); ``optimizer.step()`` onloads every group and changed weights are
     written back (to the file) before the group is offloaded again.
@@ -168,7 +169,7 @@ class Offload:
         if self.to == "cpu":
             store = HostStore(device)
         else:
-            store = FakeDiskStore(device) if fake else DiskStore(device, self.path, buffers=self.prefetch + 1)
+            store = FakeDiskStore(device) if fake else DiskStore(device, self.path)
         try:
             for g in groups:
                 store.save(g.gid, g.names, [p.detach() for p in g.params])
