@@ -366,10 +366,13 @@ class DiskStore:
         return self._to_device(self._fill(gid, self._fresh(gid)))
 
     def restore(self, gid: int, current: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """What the parameters get back on ``remove()``: fresh memory, never a mapping of a file about to go
-        (it would keep the file's disk space until the model is freed)."""
+        """What the parameters get back on ``remove()``: the group's current values (``current``, when onloaded)
+        or its file's, never on a mapping of a file about to go (that would keep the file's disk space until the
+        model is freed): mapped ones are copied."""
         if current is None:
             return self.read(gid)
+        if not (self.map and self.device.type == "cpu"):  # read into fresh memory, or copied to the device
+            return list(current)
         with torch.no_grad():
             return [t.clone() for t in current]
 
