@@ -187,7 +187,17 @@ def _rss_rows(names: list[str], layers: int = 0) -> dict[str, dict]:
 
 def _times(names: list[str], rounds: int, layers: int = 0, cold: bool = False) -> dict[str, dict[str, list[float]]]:
     """Per variant, per round: the forward's wall time and the calling thread's CPU time (``time.thread_time``:
-    the work on the critical path, less disturbed by other tenants of the machine than the wall clock)."""
+    the work on the critical path, less disturbed by other tenants of the machine than the wall clock), on one
+    torch thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _timed(names, rounds, layers, cold)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed(names: list[str], rounds: int, layers: int, cold: bool) -> dict[str, dict[str, list[float]]]:
     base = _model(layers)
     inputs = memkit.make_inputs(base)
     with tempfile.TemporaryDirectory(prefix="bench-offload-") as folder:
@@ -226,13 +236,8 @@ def _ratio(times: dict[str, dict[str, list[float]]], name: str, to: str, kind: s
 
 def _measure(names: list[str], rounds: int, layers: int = 0) -> tuple[list[dict], dict]:
     """Each variant's time (this process) and peak RSS (a fresh process each): table rows, and facts for notes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        log(f"  timing {len(names)} variants{f' at {layers} blocks' if layers else ''}")
-        times = _times(names, rounds, layers)
-    finally:
-        torch.set_num_threads(threads)
+    log(f"  timing {len(names)} variants{f' at {layers} blocks' if layers else ''}")
+    times = _times(names, rounds, layers)
     rss = _rss_rows(names, layers)
     diff = "diffusers block" in times
     activations = rss["ram"]["peak_over_base"] - rss["ram"]["weights"]  # what the forward adds over the weights
@@ -278,13 +283,8 @@ def _cold(rounds: int) -> list[dict]:
     if not hasattr(os, "posix_fadvise"):
         return []
     names = [n for n in COLD_VARIANTS if _available(n)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        log(f"  timing {len(names)} variants, cold page cache")
-        times = _times(names, rounds, cold=True)
-    finally:
-        torch.set_num_threads(threads)
+    log(f"  timing {len(names)} variants, cold page cache")
+    times = _times(names, rounds, cold=True)
     diff = "diffusers block" in times
     return [
         {"variant": n, "forward s": statistics.median(t["wall"]), "time / RAM": _ratio(times, n, "ram", "wall")}

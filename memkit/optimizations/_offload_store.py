@@ -315,18 +315,20 @@ class DiskStore:
         except (OSError, ValueError) as e:
             raise OffloadError(getattr(e, "errno", 0) or 0, f"cannot map offload file {path!r}: {e}", path) from e
         whole = torch.frombuffer(mapped, dtype=torch.uint8)
-        if self.device.type == "cpu":
+        with self._host_side():
             tag(whole, "parameter", made="mmap")
-        else:
-            with off_device():  # the host side of the copy to the device
-                tag(whole, "parameter", made="mmap")
         out = [whole[start + b : start + e].view(dtype).view(shape) for _, dtype, shape, b, e in self.layout[gid]]
         self.bytes_read += sum(end - begin for *_, begin, end in self.layout[gid])
         self.mapped += 1
         return out, mapped
 
+    def _host_side(self):
+        """On an accelerator, what a load holds in CPU memory is the host side of the copy to the device: trackers
+        count it off the device's timeline (:func:`off_device`). On the CPU it is the weights themselves."""
+        return off_device() if self.device.type != "cpu" else contextlib.nullcontext()
+
     def _fresh(self, gid: int) -> list[torch.Tensor]:
-        with off_device() if self.device.type != "cpu" else contextlib.nullcontext():
+        with self._host_side():
             out = [torch.empty(shape, dtype=dtype) for _, dtype, shape, _, _ in self.layout[gid]]
         tag(out, "parameter")
         return out
