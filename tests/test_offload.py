@@ -120,6 +120,22 @@ def _mapped(folder) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+def _resident(folder) -> dict[str, int]:
+    """The bytes of each offload file under ``folder`` that are in this process's memory (``/proc/self/smaps``: the
+    Rss of its mappings): path -> bytes, for every file mapped."""
+    out: dict[str, int] = {}
+    folder, path = os.path.realpath(folder), None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if fields[0][-1] != ":":  # a mapping's first line: address range, perms, offset, dev, inode, path
+                path = fields[5].strip().removesuffix(" (deleted)") if len(fields) == 6 else None
+                path = path if path and path.startswith(folder) else None
+            elif fields[0] == "Rss:" and path is not None:
+                out[path] = out.get(path, 0) + int(fields[1]) * 1024
+    return out
+
+
 def _in(ranges: list[tuple[int, int]], t: torch.Tensor) -> bool:
     return any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for lo, hi in ranges)
 
@@ -131,8 +147,8 @@ needs_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="r
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_block_level_also_offloads_the_layers_outside_the_blocks(preset, tmp_path):
     """At block level the embedders and final layers are groups too (one per layer): what stays resident is only
-    the model's own parameters and one-element ones. Every group, block or layer, computes on a mapping of its
-    own file, and once the forward is done no file is mapped any more."""
+    the model's own parameters and one-element ones. Every group, block or layer, computes on the one mapping of
+    its own file, and once the forward is done no page of any file is in memory."""
     model = memkit.load_model(preset)
     inputs = memkit.make_inputs(model)
     own = {id(p) for p in model.parameters(recurse=False)}
@@ -164,7 +180,9 @@ def test_block_level_also_offloads_the_layers_outside_the_blocks(preset, tmp_pat
             for h in hooks:
                 h.remove()
         assert computed_on == {g.gid: True for g in groups}
-        assert _mapped(tmp_path) == {}  # every group dropped, every mapping gone
+        maps = _mapped(tmp_path)
+        assert sorted(maps) == sorted(store.files.values()) and all(len(r) == 1 for r in maps.values())  # kept
+        assert set(_resident(tmp_path).values()) == {0}  # every group dropped: its pages given back
 
 
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
@@ -215,30 +233,33 @@ class _Stack(nn.Module):
 
 @needs_maps
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_inference_maps_only_the_groups_in_use_and_those_read_ahead(prefetch, tmp_path):
-    """Each block computes on its own file's mapping; when a block starts at most ``prefetch + 1`` files are
-    mapped (it and those read ahead), and after each forward none: RSS holds only the groups in use."""
+def test_inference_keeps_in_memory_only_the_group_in_use(prefetch, tmp_path):
+    """Each block computes on its own file's mapping, the one kept for every forward; when a block ends only its
+    file has pages in memory (the others' given back; a read ahead fills the page cache, not the process), and
+    after each forward none: RSS holds only the group in use."""
     ref = _Stack()
     model, x = copy.deepcopy(ref), torch.randn(4, 16)
-    most, after = [], []
+    holding, after = [], []
     with Offload(to="disk", prefetch=prefetch, path=tmp_path).apply(model) as handle:
         files = handle.offloader.store.files
         groups = handle.offloader.groups
 
-        def record(block, args):
+        def record(block, args, out):
             maps = _mapped(tmp_path)
             (g,) = [g for g in groups if block in g.modules]
             assert all(_in(maps.get(files[g.gid], []), p) for p in block.parameters())
-            most.append(len(maps))
+            holding.append(sorted(path for path, n in _resident(tmp_path).items() if n) == [files[g.gid]])
 
-        hooks = [b.register_forward_pre_hook(record) for b in model.blocks]
+        hooks = [b.register_forward_hook(record) for b in model.blocks]
         with torch.no_grad():
             for _ in range(4):
                 assert torch.equal(model(x), ref(x))
-                after.append(len(_mapped(tmp_path)))
+                after.append(sum(_resident(tmp_path).values()))
         for h in hooks:
             h.remove()
-    assert len(most) == 4 * len(model.blocks) and max(most[len(model.blocks) :]) == prefetch + 1
+        maps = _mapped(tmp_path)
+        assert len(maps) == len(model.blocks) and all(len(r) == 1 for r in maps.values())  # one each, kept
+    assert holding == [True] * 4 * len(model.blocks)
     assert after == [0, 0, 0, 0]
 
 
@@ -253,22 +274,23 @@ def _stack_loss(net: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
 
 @needs_maps
 @pytest.mark.parametrize("how", ["model", "blocks called directly"])
-def test_training_keeps_what_autograd_holds_mapped_and_nothing_else(how, tmp_path):
+def test_training_keeps_in_memory_only_the_groups_in_use(how, tmp_path):
     """3 steps (forward, backward, AdamW) equal the model in memory. Through the model the weights autograd saves
-    are references, rebuilt in the backward: at the backward's start only the groups in use and read ahead are
-    mapped. Called block by block, autograd keeps views of each block's mapping for the backward: every block's
-    file stays mapped until then, with its values, though the offloader dropped the group (and the optimizer step
-    writes a new file in its place)."""
+    are references, rebuilt in the backward: when the backward starts only the last block's file has pages in
+    memory. Called block by block, autograd keeps views of every block's mapping for the backward, and still only
+    the last block's pages are in memory on the first step: the others were given back when the offloader dropped
+    their groups, and the backward reads them again from the file. (On later steps the optimizer step has
+    onloaded every group, and with no model forward nothing drops them.)"""
     ref = _Stack()
     model, x = copy.deepcopy(ref), torch.randn(4, 16)
     with Offload(to="disk", prefetch=1, path=tmp_path).apply(model):
-        mapped_at_backward = []
+        resident_at_backward = []
         opts = [torch.optim.AdamW(net.parameters(), lr=1e-2) for net in (ref, model)]
         for _ in range(3):
             for net in (ref, model):
                 loss = _stack_loss(net, x, how)
                 if net is model:
-                    mapped_at_backward.append(len(_mapped(tmp_path)))
+                    resident_at_backward.append(sum(1 for n in _resident(tmp_path).values() if n))
                 loss.backward()
             assert _max_diff([p.grad for p in ref.parameters()], [p.grad for p in model.parameters()]) <= TOL
             for opt in opts:
@@ -278,39 +300,83 @@ def test_training_keeps_what_autograd_holds_mapped_and_nothing_else(how, tmp_pat
             assert _max_diff([ref(x)], [model(x)]) <= TOL
     assert _max_diff(list(ref.parameters()), list(model.parameters())) <= TOL
     if how == "model":
-        assert max(mapped_at_backward) <= 2  # the last block and the one read ahead for the backward
+        assert resident_at_backward == [1, 1, 1]
     else:
-        assert mapped_at_backward == [len(model.blocks)] * 3  # all held by autograd until the backward
+        assert resident_at_backward == [1, len(model.blocks), len(model.blocks)]
 
 
 def test_a_tensor_held_from_a_load_keeps_its_values_and_never_writes_the_file(tmp_path):
-    """Each load is a mapping of its own: a tensor kept from an earlier load (by a read ahead, autograd, the
-    caller) keeps its values when the group is written back and loaded again, and writing into one copies the
-    pages it touches: neither the file nor the other loads see it."""
+    """Loads of one file share its mapping, kept between loads; giving its pages back (``release``) loses nothing,
+    a holder reads them again from the file. Writing into a load copies the pages it touches: the file never sees
+    it. A group written back gets a new file and a new mapping, and the old one, with the holder's pages, is let go
+    (never given back): a tensor held from before keeps its values."""
     store = store_mod.DiskStore(torch.device("cpu"), tmp_path)
     try:
         old = [torch.full((64, 64), 1.0), torch.full((64,), -1.0)]
         store.save(0, ["w", "b"], old)
-        ahead = store.prefetch(0)
+        ahead = store.prefetch(0).result()
         held = store.load(0)
+        assert held[0].untyped_storage()._cdata == ahead[0].untyped_storage()._cdata  # the kept mapping
+        store.release(0)
+        assert all(torch.equal(a, b) for a, b in zip(held, old, strict=True))  # read again from the file
+        held[0].add_(10.0)  # copy-on-write: this mapping's pages only
+        assert all(torch.equal(a, b) for a, b in zip(store.read(0), old, strict=True))
         new = [torch.full((64, 64), 2.0), torch.full((64,), -2.0)]
         store.write_back(0, new)
+        store.release(0)  # nothing kept for the group now: the held pages stay
+        assert torch.equal(held[0], old[0] + 10.0) and torch.equal(held[1], old[1])
         again = store.load(0)
-        assert all(torch.equal(a, b) for a, b in zip(ahead.result(), old, strict=True))
-        assert all(torch.equal(a, b) for a, b in zip(held, old, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(again, new, strict=True))
-        held[0].add_(10.0)  # copy-on-write: this load's pages only
-        assert torch.equal(held[0], old[0] + 10.0) and torch.equal(ahead.result()[0], old[0])
-        assert all(torch.equal(a, b) for a, b in zip(store.load(0), new, strict=True))
+        assert again[0].untyped_storage()._cdata != held[0].untyped_storage()._cdata
         assert all(torch.equal(a, b) for a, b in zip(store.read(0), new, strict=True))
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "writev"), reason="os.writev (POSIX)")
+def test_a_group_is_written_in_one_system_call(monkeypatch, tmp_path):
+    """Header and tensors in one ``os.writev``: the kernel sees one long write and can fill the page cache with
+    large folios, which it maps with huge pages (separate writes leave small folios at each one's start)."""
+    real, calls = os.writev, []
+    monkeypatch.setattr(os, "writev", lambda fd, buffers: calls.append(len(buffers)) or real(fd, buffers))
+    store = store_mod.DiskStore(torch.device("cpu"), tmp_path)
+    try:
+        tensors = [torch.randn(64, 64), torch.randn(64), torch.randn(3)]
+        store.save(0, ["w", "b", "c"], tensors)
+        assert calls == [1 + len(tensors)]
+        assert all(torch.equal(a, b) for a, b in zip(store.load(0), tensors, strict=True))
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "writev"), reason="os.writev (POSIX)")
+def test_writes_cut_short_by_the_system_still_give_the_whole_file(monkeypatch, tmp_path):
+    """``os.writev`` may write less than it is given (a signal, a pipe-sized limit): the rest is written after, from
+    where it stopped, inside a tensor or between them, and the file loads back exactly."""
+    real, calls = os.writev, []
+
+    def short(fd, buffers):
+        calls.append(1)
+        head = [memoryview(b).cast("B")[:300] for b in buffers[:1]]  # at most 300 bytes a call
+        return real(fd, head)
+
+    monkeypatch.setattr(os, "writev", short)
+    store = store_mod.DiskStore(torch.device("cpu"), tmp_path)
+    try:
+        tensors = [torch.randn(17, 9), torch.arange(5, dtype=torch.int64), torch.randn(64)]
+        store.save(0, ["a", "b", "c"], tensors)
+        assert len(calls) > 5
+        assert all(torch.equal(a, b) for a, b in zip(store.load(0), tensors, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(store.read(0), tensors, strict=True))
     finally:
         store.close()
 
 
 @needs_maps
 def test_a_tracker_sees_each_mapping_as_parameter_memory_made_and_freed(tmp_path):
-    """The mapped weights are allocations a tracker records when the group is mapped (the op says so) and frees
-    when it is unmapped: one block's weights at prefetch 0, not the model's, and none after the forward."""
+    """The mapped weights are allocations a tracker records when the group is loaded (the op says so) and frees
+    when its pages are given back: one block's weights at prefetch 0, not the model's, and none after the
+    forward."""
     model, x = _Stack(), torch.randn(4, 16)
     block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
     with Offload(to="disk", prefetch=0, path=tmp_path).apply(model) as handle:
@@ -324,7 +390,7 @@ def test_a_tracker_sees_each_mapping_as_parameter_memory_made_and_freed(tmp_path
     assert len(made) == len(model.blocks) and set(made.category) == {"parameter"}
     assert all(block <= n < block + 4096 for n in made.bytes)  # the file: its header, then the weights
     freed = events[(events.category == "parameter") & (events.action == "free")]
-    assert sorted(freed.bytes) == sorted(made.bytes)  # each mapping freed, as the next block is mapped
+    assert sorted(freed.bytes) == sorted(made.bytes)  # each freed, as the next block is loaded
     assert tl.peak_by_category()["parameter"] < 2 * (block + 4096)
     assert tl.live_by_category()["parameter"][-1] == tl.baseline_by_category["parameter"] < 64  # placeholders
 
@@ -418,16 +484,38 @@ class _FullDisk:
         self.f.close()
 
 
-def _fill_disk(monkeypatch, room: int) -> None:
-    def fake_open(path, mode="r", *args, **kwargs):
-        return _FullDisk(path, mode, room) if "w" in mode else open(path, mode, *args, **kwargs)
+def _fill_disk(monkeypatch, room: int, how: str = "writev") -> None:
+    """Writes fail with ENOSPC once ``room`` more bytes are written: through ``os.writev`` (a short write, then the
+    error, as a filling disk does) or, where there is none (``how="write"``: Windows), through ``write``."""
+    if how == "write":
+        monkeypatch.delattr(os, "writev")
 
-    monkeypatch.setattr(store_mod, "open", fake_open, raising=False)
+        def fake_open(path, mode="r", *args, **kwargs):
+            return _FullDisk(path, mode, room) if "w" in mode else open(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(store_mod, "open", fake_open, raising=False)
+        return
+    real, left = os.writev, [room]
+
+    def writev(fd, buffers):
+        if left[0] <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fits, n = [], 0
+        for b in buffers:
+            b = memoryview(b).cast("B")[: left[0] - n]
+            fits.append(b)
+            n += len(b)
+        done = real(fd, fits)
+        left[0] -= done
+        return done
+
+    monkeypatch.setattr(os, "writev", writev)
 
 
-def test_disk_full_on_apply_raises_a_clear_error_and_leaves_the_model_unchanged(monkeypatch, tmp_path):
+@pytest.mark.parametrize("how", ["writev", "write"])
+def test_disk_full_on_apply_raises_a_clear_error_and_leaves_the_model_unchanged(how, monkeypatch, tmp_path):
     ref, model, inputs = _pair("flux")
-    _fill_disk(monkeypatch, room=1000)
+    _fill_disk(monkeypatch, room=1000, how=how)
     with pytest.raises(OffloadError, match="No space left on device.*stay in memory") as info:
         Offload(to="disk", path=tmp_path).apply(model)
     assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
@@ -439,14 +527,15 @@ def test_disk_full_on_apply_raises_a_clear_error_and_leaves_the_model_unchanged(
     assert not model._forward_pre_hooks
 
 
-def test_disk_full_on_write_back_keeps_the_weights_in_memory_and_usable(monkeypatch, tmp_path):
+@pytest.mark.parametrize("how", ["writev", "write"])
+def test_disk_full_on_write_back_keeps_the_weights_in_memory_and_usable(how, monkeypatch, tmp_path):
     ref, model, inputs = _pair("flux")
     with Offload(to="disk", path=tmp_path).apply(model) as handle:
         opt_r, opt_m = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model))
         for net, opt in ((ref, opt_r), (model, opt_m)):
             model_output(net(**inputs)).float().pow(2).mean().backward()
             opt.step()
-        _fill_disk(monkeypatch, room=0)
+        _fill_disk(monkeypatch, room=0, how=how)
         with pytest.raises(OffloadError, match="No space left"):
             with torch.no_grad():
                 model(**inputs)  # the forward offloads the updated groups: the write-back fails
@@ -471,11 +560,18 @@ def test_read_only_folder_raises_a_clear_error_and_leaves_the_model_unchanged(tm
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("used", [False, True], ids=["before use", "while kept mapped"])
 @pytest.mark.parametrize("damage", ["truncate", "header", "dtype"])
-def test_a_damaged_file_gives_a_clear_error_on_load(damage, tmp_path):
+def test_a_damaged_file_gives_a_clear_error_on_load(damage, used, tmp_path):
+    """Damaged before its first load, or after (its mapping kept: the file's inode, size and modification time are
+    checked on every load, so it is mapped and checked again, never read past its end)."""
     _, model, inputs = _pair("dit")
     with Offload(to="disk", path=tmp_path, prefetch=0).apply(model) as handle:
         path = handle.offloader.store.files[0]
+        if used:
+            with torch.no_grad():
+                model(**inputs)
+            assert 0 in handle.offloader.store._kept
         raw = good = open(path, "rb").read()
         n = int.from_bytes(raw[:8], "little")
         if damage == "truncate":

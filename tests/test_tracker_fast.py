@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import memkit.memory.tracker as tracker_module
-from memkit.memory import CATEGORIES, PHASES, Timeline, phase, tag, track, tracking
+from memkit.memory import CATEGORIES, PHASES, Timeline, off_device, phase, released, tag, track, tracking
 from memkit.memory.events import ALLOC, FREE
 from memkit.memory.tracker import Tracker
 from memkit.memory.workspace import cpu_path as cp
@@ -1319,6 +1319,37 @@ def test_host_state_counts_the_most_alive_at_once_not_the_sum():
         tag([c], "ema")
     assert tl.meta["host_state_bytes"] == {"ema": 512}  # a freed before c: two alive at most, not three
     del b, c
+
+
+def test_released_records_a_free_now_and_tag_made_allocates_the_same_storage_again(tmp_path):
+    """Pages given back while the storage lives on (a kept mapping's ``MADV_DONTNEED``): ``released`` is a free at
+    that moment, once (the storage dying later records nothing more); tagged with ``made`` again, the same storage
+    is an allocation again. Host memory (made under ``off_device``) comes off the host count instead."""
+    import mmap
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
+
+    def mapped() -> torch.Tensor:
+        with open(path, "rb") as f:
+            return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+
+    t, u = mapped(), mapped()
+    with track() as tl:
+        tag(t, "parameter", made="mmap")
+        released(t)
+        released(t)  # not live any more: nothing
+        tag(t, "parameter", made="mmap")
+        released(t[:64])  # a view: its storage
+        with off_device():
+            tag(t, "parameter", made="mmap")
+            released(t)
+            tag(u, "parameter", made="mmap")  # the most host memory at once: u alone
+    rows = [(r["action"], r["bytes"], r["category"]) for r in events(tl) if r["category"] == "parameter"]
+    assert rows == [(ALLOC, 16384, "parameter"), (FREE, 16384, "parameter")] * 2
+    assert tl.meta["host_peak_bytes"] == 16384
+    del t
+    assert len([r for r in events(tl) if r["action"] == FREE]) == 2  # the storage dying adds no free
 
 
 def test_tag_made_records_memory_made_outside_dispatch_as_allocated_now_and_freed_with_it(tmp_path):

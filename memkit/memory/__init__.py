@@ -35,6 +35,7 @@ _EXPORTS = {
     "host_state": ".tracker",
     "off_device": ".tracker",
     "phase": ".tracker",
+    "released": ".tracker",
     "tag": ".tracker",
     "track": ".tracker",
     "tracking": ".tracker",
@@ -60,6 +61,7 @@ __all__ = [
     "phase",
     "read_snapshot",
     "record_cuda_history",
+    "released",
     "rss_bytes",
     "sample_rss",
     "tag",
@@ -74,7 +76,17 @@ if TYPE_CHECKING:
     from .rss import RSSSamples, rss_bytes, sample_rss
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
-    from .tracker import Tracker, current_timeline, host_state, off_device, phase, tag, track, tracking
+    from .tracker import (
+        Tracker,
+        current_timeline,
+        host_state,
+        off_device,
+        phase,
+        released,
+        tag,
+        track,
+        tracking,
+    )
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -386,12 +386,10 @@ class Tracker:
         if key in self._host or key in self._kept:
             return
         phase = self._phase_now()
-        entry = self._live.pop(key, None)
+        entry = self._free_now(s, phase)
         now = time.perf_counter() - self._t0
         rows = self.log.rows
-        if entry is not None:  # dropping the entry drops its weakref: no free is recorded twice
-            device = self.log.rows[entry.event][5] if entry.event >= 0 else self._device_code(s.device)
-            rows.append((now, FREE, entry.nbytes, entry.category, phase, device, -1, -1, key))
+        if entry is not None:
             self._resized_role[key] = entry.category
         n = s.nbytes()
         if n == 0:
@@ -405,6 +403,27 @@ class Tracker:
         frame = self._frame() if self.record_stacks else -1
         rows.append((now, ALLOC, n, category, phase, device, self.log.ops("UntypedStorage.resize_"), frame, key))
         self._live[key] = _Live(index, n, category, phase, weakref.ref(s, partial(self._on_free, key, device)))
+
+    def _free_now(self, s: torch.UntypedStorage, phase: int) -> _Live | None:
+        """Record ``s``'s bytes as freed now though the storage lives on (resized, or its pages given back); returns
+        the entry it had. Dropping the entry drops its weakref: no free is recorded twice."""
+        key = s._cdata
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            device = self.log.rows[entry.event][5] if entry.event >= 0 else self._device_code(s.device)
+            now = time.perf_counter() - self._t0
+            self.log.rows.append((now, FREE, entry.nbytes, entry.category, phase, device, -1, -1, key))
+        return entry
+
+    def _released(self, t: torch.Tensor) -> None:
+        """``t``'s memory was given back while its storage lives on: a free now (host bytes: off the count)."""
+        for inner in _plain(t):
+            s = inner.untyped_storage()
+            host = self._host.pop(s._cdata, None)
+            if host is not None:
+                self._host_bytes -= host[0]
+            elif not self._closed:
+                self._free_now(s, self._phase_now())
 
     def _on_host_now(self) -> bool:
         return _OFF_DEVICE.get() or _HOST_STATE.get() or bool(self._host_steps and self._host_steps[-1])
@@ -778,6 +797,21 @@ def tag(tensors: Iterable[torch.Tensor] | torch.Tensor, category: str, *, made: 
             for t in tensors:
                 tracker._outside_dispatch(t, made)
         tracker.register(tensors, category)
+
+
+def released(tensors: Iterable[torch.Tensor] | torch.Tensor) -> None:
+    """Tell every active tracker that the memory of ``tensors`` was given back now although their storages live on
+    (no-op when none is active): the pages of a file mapping dropped with ``madvise(MADV_DONTNEED)``, which the
+    next touch maps again. Each is a free now; :func:`tag` with ``made`` records it allocated again.
+
+    Example:
+        >>> mapping.madvise(mmap.MADV_DONTNEED)
+        >>> memkit.memory.released(mapped)
+    """
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for tracker in list(_active):
+        for t in tensors:
+            tracker._released(t)
 
 
 @contextmanager

@@ -1,12 +1,13 @@
 """Where :class:`memkit.Offload` keeps a group's weights while it is offloaded: CPU memory or a file per group.
 
 A store saves a group's tensors once (``save``), gives them back (``load``, or ``prefetch``: the same, started now
-and waited for later), and takes changed values back (``write_back``). The disk store maps each group's file into
-memory copy-on-write when the group is used (nothing copied: the page cache's pages are the weights) and unmaps it
-when the group's tensors are freed. Files are safetensors (readable by ``safetensors.safe_open``), written to a
-temporary name and renamed into place, and checked on every load (size and header: names, dtypes, shapes,
-offsets). Under ``FakeTensorMode`` (``memkit.estimate``) nothing is written or read: a load only allocates, so the
-estimate counts the onloaded groups.
+and waited for later), takes changed values back (``write_back``) and is told when a group is offloaded
+(``release``). The disk store maps each group's file into memory copy-on-write (nothing copied: the page cache's
+pages are the weights), keeps the mapping, and gives its pages back when the group is offloaded. Files are
+safetensors (readable by ``safetensors.safe_open``), written to a temporary name and renamed into place, and
+checked on every load (size and header: names, dtypes, shapes, offsets; a kept mapping: the file's inode, size and
+modification time). Under ``FakeTensorMode`` (``memkit.estimate``) nothing is written or read: a load only
+allocates, so the estimate counts the onloaded groups.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..memory.tracker import off_device, tag
+from ..memory.tracker import off_device, released, tag
 
 _DTYPES = {
     torch.float64: "F64",
@@ -67,16 +68,42 @@ def _posix_mapping() -> bool:
     return os.name == "posix" and hasattr(mmap.mmap, "madvise")
 
 
+def _advise(mapped: mmap.mmap, advice: str) -> bool:
+    """``mapped.madvise(mmap.<advice>)``; False where the system lacks it or refuses."""
+    try:
+        mapped.madvise(getattr(mmap, advice))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
+
+
 def _read_ahead(mapped: mmap.mmap) -> None:
     """Ask the kernel to read a mapped file ahead (``MADV_WILLNEED``: the reads start now, asynchronously; pages in
     the page cache already cost nothing, and none is mapped, so RSS grows only when the compute touches them).
     Measured on this project's 2-core VM with the files evicted (bench/offload.py, 2026-11-24): a cold forward took
     1.47-1.58x the model in RAM with this, with ``MADV_POPULATE_READ`` (which also maps every page, from the reader
     thread) or with no hint at all, prefetch 1 or 0 alike: none of them hid the disk reads there."""
+    _advise(mapped, "MADV_WILLNEED")
+
+
+def _stamp(file: str | int) -> tuple[int, int, int] | None:
+    """A file's (inode, size, modification time in ns), by path or open descriptor: it changes when the file is
+    written or replaced (None: it cannot be read)."""
     try:
-        mapped.madvise(mmap.MADV_WILLNEED)
-    except (OSError, ValueError, AttributeError):
-        pass
+        st = os.stat(file)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class _Mapping:
+    """A group's file mapped copy-on-write: the mapping, a uint8 tensor of all of it, the group's tensors as views
+    of that, the file's stamp when mapped, and the group's bytes."""
+
+    __slots__ = ("mapped", "whole", "views", "stamp", "nbytes")
+
+    def __init__(self, mapped: mmap.mmap, whole: torch.Tensor, views: list[torch.Tensor], stamp, nbytes: int):
+        self.mapped, self.whole, self.views, self.stamp, self.nbytes = mapped, whole, views, stamp, nbytes
 
 
 class _Tagging:
@@ -174,6 +201,9 @@ class HostStore:
             return self.host[gid]
         return self.load(gid)
 
+    def release(self, gid: int) -> None:
+        """The group was offloaded: nothing to give back (the host tensors are the store itself)."""
+
     def close(self) -> None:
         self.host.clear()
 
@@ -208,6 +238,9 @@ class FakeDiskStore:
     def restore(self, gid, current):
         return current if current is not None else self.load(gid)
 
+    def release(self, gid) -> None:
+        pass
+
     def close(self) -> None:
         self.meta.clear()
 
@@ -219,16 +252,20 @@ class DiskStore:
     A load maps the group's file into memory, copy-on-write (``mmap.ACCESS_COPY``), after checking its size and
     header, and gives views of the mapping: nothing is copied, the page cache's pages are the weights, and the
     data starting on a 64-byte boundary puts each tensor where torch's allocator would (so kernels take the same
-    paths and results are bit for bit the model's in RAM). Writes into them (an optimizer step) copy the pages
-    they touch and never reach the file; :meth:`write_back` writes a new file in its place. The mapping goes when
-    the last tensor viewing it is freed, so whatever still holds one (autograd, the caller) keeps its values, and
-    RSS drops as the group is dropped. A prefetch maps on the calling thread (so a memory tracker sees the mapping
-    made) and asks the kernel to read the file ahead from a background thread (``MADV_WILLNEED``): on a real disk,
-    the reads overlap the compute. Where files are not mapped (Windows) and for tensors handed to the caller to keep
-    (:meth:`read`: a state_dict, the weights after ``remove()``), the file is read into fresh memory. On an
-    accelerator the mapping is the host side of the copy to the device. The folder is the process's own
-    (``mkdtemp``: mode 0700): a file truncated by someone else while a group of it is mapped would fault on access,
-    as with any memory-mapped file (safetensors' own loading maps files too)."""
+    paths and results are bit for bit the model's in RAM). On the CPU the mapping is kept for the next loads, while
+    the file keeps its inode, size and modification time (checked on every load; else it is mapped and checked
+    again), and :meth:`release` (the group offloaded) gives its pages back (``MADV_DONTNEED``): RSS drops, the page
+    cache keeps the file, and the next touch maps the pages again. Writes into a load (an optimizer step) copy the
+    pages they touch and never reach the file; :meth:`write_back` writes a new file in its place and lets the old
+    mapping go, never giving back its pages, so whatever still holds a view of it (autograd, the caller) keeps its
+    values. Each file is written in one ``os.writev``, so the kernel can keep it in 2 MiB folios and map it with
+    huge pages. A prefetch maps on the calling thread (so a memory tracker sees the load) and asks the kernel to
+    read the file ahead from a background thread (``MADV_WILLNEED``): on a real disk, the reads overlap the
+    compute. Where files are not mapped (Windows) and for tensors handed to the caller to keep (:meth:`read`: a
+    state_dict, the weights after ``remove()``), the file is read into fresh memory. On an accelerator the
+    mapping, new for each load, is the host side of the copy to the device. The folder is the process's own
+    (``mkdtemp``: mode 0700): a file truncated by someone else between a load's check and the compute would fault
+    on access, as with any memory-mapped file (safetensors' own loading maps files too)."""
 
     kind = "disk"
 
@@ -252,6 +289,7 @@ class DiskStore:
         self.bytes_written = 0
         self.mapped = 0  # loads served by mapping the file
         self.map = _posix_mapping()
+        self._kept: dict[int, _Mapping] = {}  # on the CPU: each group's mapping, kept between loads
         self._pool: ThreadPoolExecutor | None = None
 
     # -- writing -------------------------------------------------------------------------------------------
@@ -265,6 +303,7 @@ class DiskStore:
         names = [name for name, *_ in self.layout[gid]]
         self.layout[gid], self.heads[gid] = _write(self.files[gid], names, tensors)
         self.bytes_written += os.path.getsize(self.files[gid])
+        self._kept.pop(gid, None)  # it holds the changed pages: unmapped when its last view goes, never dropped
 
     # -- reading -------------------------------------------------------------------------------------------
     def _open(self, gid: int):
@@ -304,23 +343,52 @@ class DiskStore:
         return out
 
     def _map(self, gid: int) -> tuple[list[torch.Tensor], mmap.mmap]:
-        """The group's tensors as views of its file mapped copy-on-write, and the mapping."""
+        """The group's tensors as views of its file mapped copy-on-write, and the mapping: the one kept from an
+        earlier load while the file is the same one (its inode, size and modification time), else a new one."""
+        kept = self._kept.get(gid)
+        if kept is not None and kept.stamp != _stamp(self.files[gid]):
+            del self._kept[gid]  # written, replaced or gone since: mapped again, checked again
+            kept = None
+        if kept is None:
+            kept = self._map_new(gid)
+            if self.device.type == "cpu":
+                self._kept[gid] = kept
+        with self._host_side():
+            tag(kept.whole, "parameter", made="mmap")
+        self.bytes_read += kept.nbytes
+        self.mapped += 1
+        return list(kept.views), kept.mapped
+
+    def _map_new(self, gid: int) -> _Mapping:
         path = self.files[gid]
         try:
             f, start = self._open(gid)
             with f:
+                stamp = _stamp(f.fileno())
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except OffloadError:
             raise
         except (OSError, ValueError) as e:
             raise OffloadError(getattr(e, "errno", 0) or 0, f"cannot map offload file {path!r}: {e}", path) from e
+        _advise(mapped, "MADV_HUGEPAGE")
         whole = torch.frombuffer(mapped, dtype=torch.uint8)
+        layout = self.layout[gid]
+        views = [whole[start + b : start + e].view(dtype).view(shape) for _, dtype, shape, b, e in layout]
+        return _Mapping(mapped, whole, views, stamp, sum(end - begin for *_, begin, end in layout))
+
+    def release(self, gid: int) -> None:
+        """The group was offloaded: its kept mapping gives its pages back (``MADV_DONTNEED``: RSS drops, the page
+        cache keeps the file, the next load maps the pages again) and the trackers record the memory freed. The
+        pages are the file's own (a changed group is written back, and its mapping let go, before it is offloaded),
+        so nothing is lost."""
+        kept = self._kept.get(gid)
+        if kept is None:
+            return
+        if not _advise(kept.mapped, "MADV_DONTNEED"):
+            del self._kept[gid]  # then it is unmapped when its last view goes, as a mapping not kept
+            return
         with self._host_side():
-            tag(whole, "parameter", made="mmap")
-        out = [whole[start + b : start + e].view(dtype).view(shape) for _, dtype, shape, b, e in self.layout[gid]]
-        self.bytes_read += sum(end - begin for *_, begin, end in self.layout[gid])
-        self.mapped += 1
-        return out, mapped
+            released(kept.whole)
 
     def _host_side(self):
         """On an accelerator, what a load holds in CPU memory is the host side of the copy to the device: trackers
@@ -382,6 +450,7 @@ class DiskStore:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._kept.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -415,10 +484,7 @@ def _write(path: str, names: Sequence[str], tensors: Sequence[torch.Tensor]):
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(head)
-            for i in order:
-                if cpu[i].numel():
-                    f.write(_bytes_view(cpu[i]))
+            _write_all(f, [head, *(_bytes_view(cpu[i]) for i in order if cpu[i].numel())])
         os.replace(tmp, path)
     except OSError as e:
         try:
@@ -429,6 +495,29 @@ def _write(path: str, names: Sequence[str], tensors: Sequence[torch.Tensor]):
             e.errno, f"cannot write offload file {path!r}: {e.strerror or e}; the weights stay in memory", path
         ) from e
     return layout, head
+
+
+def _write_all(f, chunks: list) -> None:
+    """Write the bytes-like ``chunks`` to the new file ``f``, one after another, in as few system calls as can be
+    (``os.writev``): the kernel sees one long write and fills the page cache with large folios, up to 2 MiB, which
+    it then maps with huge pages (separate writes leave small folios at each one's start; measured on this VM, a
+    PixArt-small block's file: 16 of its 16 MiB mapped with 2 MiB pages, against 4 MiB). Where there is no
+    ``writev`` (Windows): one ``write`` each."""
+    writev = getattr(os, "writev", None)
+    if writev is None:
+        for c in chunks:
+            f.write(c)
+        return
+    f.flush()
+    views = [memoryview(c).cast("B") for c in chunks]
+    views = [v for v in views if len(v)]
+    limit = os.sysconf("SC_IOV_MAX")
+    while views:
+        n = writev(f.fileno(), views[:limit])
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:  # a short write stopped inside a chunk: go on from there
+            views[0] = views[0][n:]
 
 
 def _check_header(f, path: str, layout) -> int:

@@ -112,6 +112,7 @@ class _Offloader:
             for k in g.keys:
                 self.by_storage.pop(k, None)
             g.real, g.keys = None, []
+            self.store.release(g.gid)
 
     def offload_others(self, keep: Iterable[_Group] = ()) -> None:
         keep = {id(g) for g in keep}
