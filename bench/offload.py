@@ -173,16 +173,21 @@ def child(name: str, layers: int = 0) -> dict:
     return {"weights": weights, "peak_over_base": rss.peak_bytes - base, "read": read}
 
 
+def _fresh_process(*args: str, timeout: int) -> dict:
+    """``python -m bench.offload ARGS`` in a fresh process on one thread: the JSON it prints last."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.offload", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"bench.offload {' '.join(args[:2])} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _rss_rows(names: list[str], layers: int = 0) -> dict[str, dict]:
     out = {}
     for name in names:
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.offload", "--child", name, str(layers)],
-            capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"child {name!r} failed:\n{done.stderr[-3000:]}")
-        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        out[name] = _fresh_process("--child", name, str(layers), timeout=900)
         log(f"  RSS {name}: {out[name]['peak_over_base'] / MiB:.0f} MiB over the base")
     return out
 
@@ -245,13 +250,7 @@ def _times_in_processes(names: list[str], rounds: int, layers: int, processes: i
     rounds inside one process cannot cancel; the spread over processes shows it."""
     out = []
     for i in range(processes):
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.offload", "--times", str(rounds), str(layers), *names],
-            capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"timing process failed:\n{done.stderr[-3000:]}")
-        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        out.append(_fresh_process("--times", str(rounds), str(layers), *names, timeout=1800))
         log(f"  timing process {i + 1}/{processes} done")
     return out
 

@@ -509,8 +509,7 @@ def _write_all(f, chunks: list) -> None:
             f.write(c)
         return
     f.flush()
-    views = [memoryview(c).cast("B") for c in chunks]
-    views = [v for v in views if len(v)]
+    views = [v for v in (memoryview(c).cast("B") for c in chunks) if len(v)]
     limit = os.sysconf("SC_IOV_MAX")
     while views:
         n = writev(f.fileno(), views[:limit])

@@ -8,11 +8,11 @@ parameters and one-element ones stay). Costs: one transfer per group per forward
 per backward in training), hidden behind compute when a group's bytes over the bandwidth take less time than
 its FLOPs over the throughput (prefetch makes that overlap); in training ``optimizer.step()`` onloads every
 group (the update needs the weights with their gradients and states) and changed weights are written back
-before the group is offloaded again, at the next forward. ``to="disk"`` maps a group's file into memory
-(copy-on-write) when the group is used and unmaps it when the group is dropped: nothing is copied (the weights
-are the page cache's pages, RSS only while mapped), and whatever still holds a tensor of it (autograd, the
-caller) keeps its mapping and its values. Does nothing for ``to="cpu"`` when the model computes on the CPU (its
-weights are in CPU memory already).
+before the group is offloaded again, at the next forward. ``to="disk"`` maps each group's file into memory
+once (copy-on-write) and gives its pages back when the group is dropped: nothing is copied (the weights are the
+page cache's pages, in RSS only while the group is in use), and a group written back gets a new mapping, so
+whatever still holds a tensor of the old one (autograd, the caller) keeps its values. Does nothing for
+``to="cpu"`` when the model computes on the CPU (its weights are in CPU memory already).
 
 Training is correct: the tensors autograd saves that are views of offloaded weights are kept as references and
 rebuilt in the backward from the group, onloaded again in reverse order; ``state_dict()`` gives real values while
