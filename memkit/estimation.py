@@ -24,8 +24,11 @@ step (which runs on the host) off the device too (:func:`memkit.memory.host_stat
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
+import dataclasses
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -44,7 +47,7 @@ from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order
 from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
-__all__ = ["estimate", "noted_in_host", "note_disk_memory", "note_host_memory", "planned_device"]
+__all__ = ["clear_cache", "estimate", "noted_in_host", "note_disk_memory", "note_host_memory", "planned_device"]
 
 # (planned device, host tensors by category) while an estimate builds and steps its model
 _PLAN: contextvars.ContextVar[tuple[str, dict[str, list[torch.Tensor]], list[int]] | None] = contextvars.ContextVar(
@@ -147,18 +150,26 @@ def estimate(
     mode: str = "training",
     step: Step | None = None,
     optimizations: Sequence[Optimization] = (),
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.bfloat16,
     size: str = "full",
-    optimizer: str | None = None,
-    steps: int = 1,
+    optimizer: str | None = "auto",
+    steps: int | None = None,
     batch_size: int = 1,
-    device: str = "cpu",
+    device: str = "cuda",
     seed: int = 0,
     progress: bool | None = None,
     parallel: FSDP | None = None,
     **sizes: int,
 ) -> Timeline:
-    """Estimate the memory timeline of one step without allocating real memory (fake tensors).
+    """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
+
+    By default it answers the question users bring, with the command line's defaults: a bf16 AdamW training
+    step on a GPU (``device="cuda"``), measured on both steps that matter. The first step creates the
+    optimizer state in its update; every later step carries that state (and an EMA, accumulated gradients,
+    offloaded copies, FSDP shards) through its forward and backward. The timeline covers the first step and
+    the steady step (step 2, which every later step repeats); ``timeline.meta["first_step_peak_bytes"]`` and
+    ``["steady_peak_bytes"]`` hold each one's peak, and ``timeline.peak_bytes`` is the larger. An estimate
+    with the same arguments again in the same process returns a copy of the first one's timeline at once.
 
     Args:
         model: a preset name (built at ``size``, default the released ``"full"`` config) or a callable
@@ -171,14 +182,16 @@ def estimate(
             the others). Its ``foreach`` defaults to what torch uses on ``device``.
         optimizations: optimization objects, applied with ``.apply(model)`` as in a real run; the memory
             their handles own is counted in its category.
-        dtype: parameter and input dtype.
-        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or None (training only). With None, gradients accumulate
-            across steps as in a loop of ``loss.backward()``.
-        steps: run this many steps and measure the last, so state that lives across steps (optimizer state,
-            accumulated gradients) is counted.
-        device: the device being estimated: ``"cpu"`` or ``"cuda"`` (adds the CUDA allocator's 512-byte
-            rounding, drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA, except
-            for an optimizer FSDP's CPU offload runs on the CPU).
+        dtype: parameter and input dtype (default bf16).
+        optimizer: ``"auto"`` (AdamW in training, none in inference), ``"adamw"``, ``"adam"``, ``"sgd"`` or
+            None (training only). With None, gradients accumulate across steps as in a loop of
+            ``loss.backward()``.
+        steps: None (default): in training the first and the steady step, both measured (see above); in
+            inference one pass. An int N: run N steps and measure only the last (``steps=1``: the first step).
+        device: the device being estimated: ``"cuda"`` (default: adds the CUDA allocator's 512-byte rounding,
+            drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA, except for an
+            optimizer FSDP's CPU offload runs on the CPU) or ``"cpu"`` (CPU kernels' own buffers, learned once
+            per signature and kept in the user's cache folder).
         progress: show a progress bar (build, then each step); None shows it for full-size presets, which
             take ~10–30 s.
         parallel: a :class:`memkit.FSDP`: the timeline of rank 0 of a fully sharded run over its world size
@@ -187,7 +200,10 @@ def estimate(
             ``memkit.Offload`` is refused with it: FSDP's own ``FSDP(cpu_offload=True)`` is the offload that
             composes with sharding.
 
-    Returns the :class:`Timeline` of the last step; ``timeline.meta`` holds the settings, the parameter count,
+    Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count,
+    ``measured`` (``"first and steady"``, ``"first"``, ``"steady"`` or ``"inference"``), ``step_starts`` (the
+    index of each measured step's first event), ``first_step_peak_bytes`` and ``steady_peak_bytes`` (None where
+    that step was not measured; in inference both are the one pass's peak: no state lives across passes),
     ``host_bytes`` (category -> bytes the optimizations keep in host memory, off a ``"cuda"`` peak: an
     offloaded EMA's shadows, the most offloaded checkpoint inputs alive at once as ``"activation"``, offloaded
     weights as ``"parameter"``; under ``FSDP(cpu_offload=True)`` rank 0's parameter shards as ``"parameter"``,
@@ -196,8 +212,8 @@ def estimate(
     keeps on disk) and the seconds the estimate took.
 
     Example:
-        >>> tl = memkit.estimate("flux", dtype=torch.bfloat16, optimizations=[memkit.Checkpointing()])
-        >>> tl.peak_bytes / 2**30   # GiB
+        >>> tl = memkit.estimate("flux", optimizations=[memkit.Checkpointing()])   # bf16 AdamW on a GPU
+        >>> tl.peak_bytes / 2**30, tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"]
     """
     step = _step_of(step, mode, optimizer, steps)
     if device not in ("cpu", "cuda"):
@@ -225,6 +241,13 @@ def estimate(
         refuse_group_offload(optimizations)
 
     t0 = time.perf_counter()
+    key = _cache_key(model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes)
+    cached = _RESULTS.get(key) if key is not None else None
+    if cached is not None:
+        _RESULTS.move_to_end(key)
+        timeline = cached.copy()
+        timeline.meta.update(cached=True, seconds=time.perf_counter() - t0)
+        return timeline
     plans = []
     if any(getattr(o, "budget_bytes", None) is not None for o in optimizations):
         optimizations, plans = _plan_budgets(
@@ -240,7 +263,8 @@ def estimate(
     if progress is None:
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
-    n = step.steps
+    n = step.runs
+    measured = 2 if step.first_and_steady else 1  # steps tracked, at the end of the n run
     bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
     # the mesh must exist before fake mode (built inside, it fails); the process group ends with the estimate
     group = parallel.process_group() if parallel is not None else contextlib.nullcontext()
@@ -261,17 +285,17 @@ def estimate(
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)
             bar.update()
-            for i in range(n - 1):
+            for i in range(n - measured):
                 bar.set_postfix_str(f"step {i + 1}/{n}")
                 runner.run(kwargs)
                 bar.update()
-            bar.set_postfix_str(f"step {n}/{n} (tracked)")
             granularity = CUDA_BLOCK if cuda else None
             objects = runner.tracked_objects()
             host_keys = _storage_keys(t for ts in host.values() for t in ts)
             objects["owned"] = {  # what lives in host memory is not on the planned device
                 c: [t for t in ts if t.untyped_storage()._cdata not in host_keys] for c, ts in handle.owned().items()
             }
+            starts = []
             with track(
                 inputs=kwargs,
                 alloc_granularity=granularity,
@@ -279,13 +303,17 @@ def estimate(
                 host=host,  # before the model: FSDP's offloaded shards are its parameters
                 **objects,
             ) as timeline:
-                runner.run(kwargs)
-            bar.update()
+                for i in range(n - measured, n):
+                    bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
+                    starts.append(len(timeline))
+                    runner.run(kwargs)
+                    bar.update()
         params = sum(p.numel() for p in net.parameters())
         # noted state (the most alive at once: gradients and optimizer state of a host optimizer come and go)
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
+    first, steady = _step_peaks(timeline, step, starts)
     timeline.meta.update(
         estimate=True,
         model=model if isinstance(model, str) else getattr(model, "__name__", "model"),
@@ -293,7 +321,12 @@ def estimate(
         mode=step.mode,
         dtype=str(dtype).replace("torch.", ""),
         optimizer=step.optimizer,
-        steps=step.steps,
+        steps=n,
+        measured=step.measured,
+        step_starts=starts,
+        first_step_peak_bytes=first,
+        steady_peak_bytes=steady,
+        bytes="allocated",
         device=device,
         optimizations=[str(o) for o in optimizations],
         parallel=str(parallel) if parallel is not None else None,
@@ -301,18 +334,69 @@ def estimate(
         host_bytes=host_bytes,
         disk_bytes=sum(disk),
         checkpoint_plans=[str(p) for p in plans],
+        cached=False,
         seconds=time.perf_counter() - t0,
     )
+    if key is not None:
+        _RESULTS[key] = timeline.copy()
+        while len(_RESULTS) > _RESULTS_KEPT:
+            _RESULTS.popitem(last=False)
     return timeline
 
 
-def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int) -> Step:
+def _step_peaks(timeline: Timeline, step: Step, starts: list[int]) -> tuple[int | None, int | None]:
+    """(first step's peak, steady step's peak) of a tracked window, None for a step that was not measured."""
+    if not step.training:  # no state lives across inference passes: each is the first and every later one
+        return timeline.peak_bytes, timeline.peak_bytes
+    if step.first_and_steady:
+        return timeline.peak_between(0, starts[1]), timeline.peak_between(starts[1])
+    return (timeline.peak_bytes, None) if step.steps == 1 else (None, timeline.peak_bytes)
+
+
+# Finished estimates of this process, by their arguments (least recently used first): a widget moving back to a
+# setting it showed, or the same question asked twice, is answered at once. Only arguments that say everything
+# about the result are keys: a preset name (not a callable, whose behaviour may change), default inputs, and
+# optimizations that compare by value.
+_RESULTS: collections.OrderedDict[tuple, Timeline] = collections.OrderedDict()
+_RESULTS_KEPT = 64
+
+
+def _cache_key(model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes):
+    if not isinstance(model, str) or inputs is not None:
+        return None
+    parts = []
+    for o in (*optimizations, parallel):
+        if o is None:
+            continue
+        if not dataclasses.is_dataclass(o) or type(o).__eq__ is object.__eq__:
+            return None
+        try:
+            hash(o)
+        except TypeError:
+            return None
+        parts.append((type(o), o))
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MEMKIT_")))
+    return (model, size, step, tuple(parts), dtype, batch_size, device, seed, tuple(sorted(sizes.items())), env)
+
+
+def clear_cache() -> None:
+    """Forget the estimates this process has made (the next :func:`estimate` of each setting runs again).
+
+    Example:
+        >>> memkit.estimation.clear_cache()
+    """
+    _RESULTS.clear()
+
+
+def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int | None) -> Step:
     if step is None:
-        if optimizer is not None and mode == "training" and optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} or None, got {optimizer!r}")
+        if optimizer == "auto":
+            optimizer = "adamw" if mode == "training" else None
+        elif optimizer is not None and mode == "training" and optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be 'auto', one of {list(OPTIMIZERS)} or None, got {optimizer!r}")
         return Step(mode=mode, optimizer=optimizer, steps=steps)  # validates each argument by name
     if not isinstance(step, Step):
         raise TypeError(f"step must be a memkit.Step or None, got {type(step).__name__}")
-    if (mode, optimizer, steps) != ("training", None, 1):
+    if (mode, optimizer, steps) != ("training", "auto", None):
         raise ValueError("give either step or mode/optimizer/steps, not both")
     return step

@@ -172,9 +172,12 @@ class Step:
     optimizer: Literal["adamw", "adam", "sgd"] | None = None
     """The optimizer of a training step. None: no update, gradients are only computed (and accumulate
     across steps, as in a loop of ``loss.backward()``)."""
-    steps: int = 1
-    """Steps a measurement runs; the last is the one measured, so state that lives across steps (optimizer
-    state, EMA shadows, accumulated gradients) exists when it runs."""
+    steps: int | None = None
+    """Which steps a measurement covers. None (the default): in training, the first step and the steady step
+    that every later step repeats (step 2: the optimizer state, EMA shadows and accumulated gradients the first
+    step created exist before it begins), both measured, and the larger peak is the answer; in inference, one
+    pass (no state lives across passes). An int N: run N steps and measure only the last (``steps=1``: the
+    first step alone)."""
     foreach: bool | None = None
     """The optimizer's foreach implementation (one fused kernel per op over all tensors, with a temporary per
     op). None: torch's default for the device (foreach on CUDA, per-tensor loops on CPU)."""
@@ -186,8 +189,15 @@ class Step:
             raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} or None, got {self.optimizer!r}")
         if self.optimizer is not None and self.mode == "inference":
             raise ValueError("optimizer is only used in training; pass optimizer=None with mode='inference'")
-        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
+        if self.steps is not None and (not isinstance(self.steps, int) or isinstance(self.steps, bool)):
+            raise ValueError(f"steps must be None (first and steady step) or an int >= 1, got {self.steps!r}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be None (first and steady step) or an int >= 1, got {self.steps!r}")
+        if self.steps == 1 and self.mode == "inference":
+            raise ValueError(
+                "steps=1 asks for the first training step; an inference pass keeps no state across passes, so it "
+                "has no first or steady step: leave steps=None with mode='inference'"
+            )
         if self.foreach not in (None, True, False):
             raise ValueError(f"foreach must be True, False or None, got {self.foreach!r}")
 
@@ -195,6 +205,29 @@ class Step:
     def training(self) -> bool:
         """True for a training step."""
         return self.mode == "training"
+
+    @property
+    def first_and_steady(self) -> bool:
+        """True when a measurement covers both the first and the steady step (``steps=None`` in training)."""
+        return self.steps is None and self.training
+
+    @property
+    def runs(self) -> int:
+        """How many steps a measurement runs: 2 for the first and the steady step, else ``steps`` (1 in
+        inference by default)."""
+        if self.steps is not None:
+            return self.steps
+        return 2 if self.training else 1
+
+    @property
+    def measured(self) -> str:
+        """Which step a measurement's figures are: ``"first and steady"``, ``"first"``, ``"steady"`` (step N
+        of N >= 2) or ``"inference"`` (every pass alike)."""
+        if not self.training:
+            return "inference"
+        if self.steps is None:
+            return "first and steady"
+        return "first" if self.steps == 1 else "steady"
 
     def bind(self, model: torch.nn.Module, handle: Handle | None = None) -> StepRunner:
         """A runner of this step for ``model`` (its optimizer built now), calling ``handle.after_step()``

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _cpu_estimate import CPU_STEP, estimate_cpu
 
 import memkit
 from memkit.optimizations.checkpoint_plan import spread
@@ -11,13 +12,13 @@ PRESET, SIZES = "ltx-video", {"size": "small", "frames": 33, "optimizer": None}
 
 
 def _estimated(config) -> int:
-    return memkit.estimate(PRESET, optimizations=[config], **SIZES).peak_bytes
+    return estimate_cpu(PRESET, optimizations=[config], **SIZES).peak_bytes
 
 
 def test_the_chosen_pattern_fits_and_its_real_peak_is_the_prediction():
     none, every = _estimated(memkit.Checkpointing(pattern="none")), _estimated(memkit.Checkpointing())
     budget = (none + every) // 2
-    plan = memkit.plan_checkpointing(PRESET, budget, **SIZES)
+    plan = memkit.plan_checkpointing(PRESET, budget, **SIZES, **CPU_STEP, steps=1)  # the real step below
     assert plan.fits and plan.blocks == 8 and 0 < plan.checkpointed < 8
     assert plan.config.pattern == spread(plan.checkpointed, 8)
     # the least recompute: one block fewer, spread the same way, does not fit
@@ -60,11 +61,11 @@ def test_the_model_needs_blocks():
         memkit.plan_checkpointing(lambda: torch.nn.Linear(4, 4), 2**20, inputs=lambda m: {"input": torch.ones(2, 4)})
 
 
-def _tiny_budget() -> int:
+def _tiny_budget(estimate=estimate_cpu) -> int:
     """Half way between no checkpointing and all blocks, on tiny LTX-Video at 97 frames (2 blocks)."""
     kw = {"size": "tiny", "frames": 97}
-    none = memkit.estimate(PRESET, optimizations=[memkit.Checkpointing(pattern="none")], **kw).peak_bytes
-    every = memkit.estimate(PRESET, optimizations=[memkit.Checkpointing()], **kw).peak_bytes
+    none = estimate(PRESET, optimizations=[memkit.Checkpointing(pattern="none")], **kw).peak_bytes
+    every = estimate(PRESET, optimizations=[memkit.Checkpointing()], **kw).peak_bytes
     assert every < none
     return (none + every) // 2
 
@@ -74,17 +75,18 @@ def test_checkpointing_with_a_budget_plans_for_the_estimate_it_is_given_to():
     config = memkit.Checkpointing(budget_bytes=budget, provider="selective")
     assert config.pattern == "auto" and str(config).startswith("checkpointing:auto<=")
     kw = {"size": "tiny", "frames": 97}
-    tl = memkit.estimate(PRESET, optimizations=[config], **kw)
-    plan = memkit.plan_checkpointing(PRESET, budget, provider="selective", **kw)
+    tl = estimate_cpu(PRESET, optimizations=[config], **kw)
+    plan = memkit.plan_checkpointing(PRESET, budget, provider="selective", **kw, **CPU_STEP, optimizer=None, steps=1)
     assert tl.meta["optimizations"] == [str(plan.config)] and tl.meta["checkpoint_plans"] == [str(plan)]
     assert tl.peak_bytes == plan.predicted_peak_bytes <= budget
     # other sizes, another plan: the budget is planned for the very step estimated
-    bigger = memkit.estimate(PRESET, optimizations=[config], size="tiny", frames=129)
+    bigger = estimate_cpu(PRESET, optimizations=[config], size="tiny", frames=129)
     assert bigger.meta["checkpoint_plans"] != tl.meta["checkpoint_plans"]
 
 
 def test_apply_with_a_budget_plans_on_a_fake_copy_of_the_model_and_remove_restores_it():
-    budget = _tiny_budget()
+    # apply() plans for the model's dtype and device, and the library's step: AdamW, first and steady step
+    budget = _tiny_budget(lambda *a, **k: memkit.estimate(*a, **k, **CPU_STEP))
     model = memkit.load_model(PRESET)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = memkit.Checkpointing(budget_bytes=budget)

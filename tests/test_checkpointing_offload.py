@@ -16,6 +16,7 @@ import weakref
 
 import pytest
 import torch
+from _cpu_estimate import estimate_cpu
 
 import memkit
 from memkit.optimizations import checkpointing as ck
@@ -150,7 +151,7 @@ def test_an_estimate_for_cuda_moves_the_inputs_off_the_gpu_and_one_for_the_cpu_d
         for provider in ("torch", "offload"):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the CPU-only notice
-                tl = memkit.estimate(
+                tl = estimate_cpu(
                     "ltx-video", optimizations=[memkit.Checkpointing(provider=provider)], device=device, **kw
                 )
             events = tl.to_pandas()

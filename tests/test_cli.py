@@ -53,6 +53,16 @@ def test_every_subcommand_help_has_an_example(capsys, command):
     assert "examples:" in out and f"memkit {command} " in out.split("examples:")[1]
 
 
+# what memkit.estimate's meta says of its steps (a stand-in estimate's timeline carries it)
+STEADY_META = {
+    "steps": 2,
+    "measured": "first and steady",
+    "first_step_peak_bytes": 0,
+    "steady_peak_bytes": 0,
+    "bytes": "allocated",
+}
+
+
 def test_estimate_json_peak_equals_the_library(capsys):
     code, out, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--device", "cpu", "--json")
     assert code == 0, err
@@ -74,7 +84,7 @@ def test_estimate_fsdp_is_the_library_s_parallel_estimate(capsys):
     assert code == 0, err
     result = json.loads(out)
     fsdp = memkit.FSDP(world_size=4, mixed_precision=torch.bfloat16)
-    timeline = memkit.estimate("flux", size="tiny", optimizer="adamw", device="cuda", parallel=fsdp)
+    timeline = memkit.estimate("flux", size="tiny", dtype=torch.float32, optimizer="adamw", parallel=fsdp)
     assert result["parallel"] == "fsdp:4,bfloat16"
     assert result["peak_bytes"] == timeline.peak_bytes
     assert result["peak_by_category"] == timeline.peak_by_category()
@@ -125,7 +135,7 @@ def test_optimization_flags_come_from_the_registry_and_compose(capsys, monkeypat
     def fake_estimate(preset, **kwargs):
         seen.update(kwargs)
         columns = {name: np.zeros(0, dtype) for name, dtype in COLUMNS}
-        return memkit.Timeline(columns, meta={"dtype": "bfloat16", "parameters": 0, "seconds": 0.0})
+        return memkit.Timeline(columns, meta={"dtype": "bfloat16", "parameters": 0, "seconds": 0.0, **STEADY_META})
 
     spec = Spec(name="marker", config=Marker, summary="a test switch", metavar="LEVEL", choices=("on", "high"))
     monkeypatch.setitem(memkit.optimizations._REGISTRY, "marker", spec)
@@ -275,6 +285,7 @@ def test_a_lower_bound_is_said_in_the_table_and_the_json(capsys, monkeypatch):
     def fake_estimate(preset, **kwargs):
         columns = {name: np.zeros(0, dtype) for name, dtype in COLUMNS}
         meta = {"dtype": "bfloat16", "parameters": 0, "seconds": 0.0, "lower_bound_ops": ["aten.mystery.default"]}
+        meta.update(STEADY_META)
         return memkit.Timeline(columns, meta=meta)
 
     monkeypatch.setattr(memkit, "estimate", fake_estimate)

@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from _cpu_estimate import estimate_cpu
 from diffusers.training_utils import EMAModel
 
 import memkit
@@ -250,9 +251,9 @@ def test_in_compare_the_shadows_match_diffusers():
 
 
 def test_estimate_counts_fp32_shadows_as_ema_bytes_and_the_update_as_its_phase():
-    tl = memkit.estimate("flux", size="tiny", optimizer="adamw", steps=2, optimizations=[memkit.EMA(mode="device")])
+    tl = estimate_cpu("flux", size="tiny", optimizer="adamw", steps=2, optimizations=[memkit.EMA(mode="device")])
     assert tl.peak_by_category()["ema"] == tl.meta["parameters"] * 4
-    plain = memkit.estimate("flux", size="tiny", optimizer="adamw", steps=2)
+    plain = estimate_cpu("flux", size="tiny", optimizer="adamw", steps=2)
     assert plain.peak_by_category()["ema"] == 0
 
 
@@ -267,8 +268,8 @@ def test_the_update_allocates_nothing_and_runs_in_the_ema_phase():
 @pytest.mark.parametrize("mode", ["offload", "cpu_only"])
 def test_estimate_for_cuda_keeps_host_shadows_off_the_gpu_peak(mode):
     kw = dict(size="tiny", dtype=torch.bfloat16, optimizer="adamw", device="cuda", progress=False)
-    on_device = memkit.estimate("flux", optimizations=[memkit.EMA(mode="device")], **kw)
-    off = memkit.estimate("flux", optimizations=[memkit.EMA(mode=mode)], **kw)
+    on_device = estimate_cpu("flux", optimizations=[memkit.EMA(mode="device")], **kw)
+    off = estimate_cpu("flux", optimizations=[memkit.EMA(mode=mode)], **kw)
     model = memkit.load_model("flux", dtype=torch.bfloat16)
     shadows = [p.numel() * 2 for p in model.parameters()]  # bf16 shadows of bf16 parameters
     on_gpu = sum(-(-n // 512) * 512 for n in shadows)  # the caching allocator's 512-byte blocks
@@ -278,7 +279,7 @@ def test_estimate_for_cuda_keeps_host_shadows_off_the_gpu_peak(mode):
     if mode == "offload":  # the update streams through device buffers, inside the ema phase
         ema_phase = off.to_pandas().query("phase == 'ema' and action == 'alloc'")
         assert 0 < ema_phase["bytes"].max() <= 32 * 2**20
-    on_cpu = memkit.estimate("flux", optimizations=[memkit.EMA(mode=mode)], **{**kw, "device": "cpu"})
+    on_cpu = estimate_cpu("flux", optimizations=[memkit.EMA(mode=mode)], **{**kw, "device": "cpu"})
     assert on_cpu.peak_by_category()["ema"] == sum(shadows) and on_cpu.meta["host_bytes"] == {}
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _cpu_estimate import estimate_cpu
 
 import memkit
 
@@ -22,7 +23,7 @@ def real_peak(preset: str, mode: str, optimizations=(), optimizer=None) -> memki
 
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_estimate_equals_real_tracked_peak_for_every_tiny_preset(preset):
-    est = memkit.estimate(preset, size="tiny")
+    est = estimate_cpu(preset, size="tiny")
     real = real_peak(preset, "training")
     assert est.peak_bytes == real.peak_bytes
     assert est.baseline_bytes == real.baseline_bytes
@@ -31,11 +32,11 @@ def test_estimate_equals_real_tracked_peak_for_every_tiny_preset(preset):
 
 @pytest.mark.parametrize("preset", ["flux", "unet"])
 def test_estimate_inference_and_checkpointing_match_real(preset):
-    estimated = memkit.estimate(preset, size="tiny", mode="inference")
+    estimated = estimate_cpu(preset, size="tiny", mode="inference")
     assert estimated.peak_bytes == real_peak(preset, "inference").peak_bytes
     ckpt = [memkit.Checkpointing(pattern="all")]
     assert (
-        memkit.estimate(preset, size="tiny", optimizations=ckpt).peak_bytes
+        estimate_cpu(preset, size="tiny", optimizations=ckpt).peak_bytes
         == real_peak(preset, "training", ckpt).peak_bytes
     )
 
@@ -44,7 +45,7 @@ def test_estimate_with_a_callable_and_custom_inputs():
     def model_fn():
         return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
 
-    tl = memkit.estimate(model_fn, lambda m: {"input": torch.randn(8, 64)}, mode="inference")
+    tl = estimate_cpu(model_fn, lambda m: {"input": torch.randn(8, 64)}, mode="inference")
     # weights + input, then fc1 out (8x256) and gelu out coexist, then fc2 out
     params = (64 * 256 + 256 + 256 * 64 + 64) * 4
     assert tl.baseline_bytes == params + 8 * 64 * 4
@@ -53,13 +54,13 @@ def test_estimate_with_a_callable_and_custom_inputs():
 
 def test_estimate_bad_input():
     with pytest.raises(ValueError, match="presets"):
-        memkit.estimate("sdxl")
+        estimate_cpu("sdxl")
     with pytest.raises(ValueError, match="mode"):
-        memkit.estimate("flux", size="tiny", mode="train")
+        estimate_cpu("flux", size="tiny", mode="train")
     with pytest.raises(ValueError, match="steps"):
-        memkit.estimate("flux", size="tiny", steps=0)
+        estimate_cpu("flux", size="tiny", steps=0)
     with pytest.raises(ValueError, match="device"):
-        memkit.estimate("flux", size="tiny", device="tpu")
+        estimate_cpu("flux", size="tiny", device="tpu")
 
 
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
@@ -69,28 +70,28 @@ def test_estimate_equals_real_tracked_peak_for_every_small_preset(preset):
     with memkit.track(model, inputs=inputs) as real:
         memkit.train_step(model, inputs)
     del model, inputs
-    est = memkit.estimate(preset, size="small")
+    est = estimate_cpu(preset, size="small")
     assert est.peak_bytes == real.peak_bytes
     assert est.peak_by_category() == real.peak_by_category()
 
 
 def test_steps_count_state_that_lives_across_steps():
-    one = memkit.estimate("dit", size="tiny", optimizer="adamw", steps=1)
-    two = memkit.estimate("dit", size="tiny", optimizer="adamw", steps=2)
+    one = estimate_cpu("dit", size="tiny", optimizer="adamw", steps=1)
+    two = estimate_cpu("dit", size="tiny", optimizer="adamw", steps=2)
     params = one.baseline_by_category["parameter"]
     # AdamW keeps two moments per parameter (and a step counter): in the baseline of the second step only
     assert one.baseline_by_category["optimizer_state"] == 0
     assert two.baseline_by_category["optimizer_state"] >= 2 * params
-    no_opt = memkit.estimate("dit", size="tiny", optimizer=None, steps=2)
+    no_opt = estimate_cpu("dit", size="tiny", optimizer=None, steps=2)
     # without an optimizer the gradients of step 1 are still there when step 2 starts
     assert no_opt.baseline_by_category["gradient"] > 0
 
 
 def test_cuda_estimate_rounds_every_block_to_512_bytes():
-    tl = memkit.estimate("flux", size="tiny", device="cuda")
+    tl = estimate_cpu("flux", size="tiny", device="cuda")
     sizes = tl.column("bytes")
     assert len(sizes) and (sizes % 512 == 0).all()
-    assert tl.peak_bytes > memkit.estimate("flux", size="tiny", device="cpu").peak_bytes
+    assert tl.peak_bytes > estimate_cpu("flux", size="tiny", device="cpu").peak_bytes
     assert tl.devices == ["cuda"]
 
 
@@ -102,7 +103,7 @@ def test_estimate_allocates_nothing_over_its_window():
     from tests.test_tracker import profiler_window
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        tl = memkit.estimate("flux", size="small", optimizer="adamw", progress=False)
+        tl = estimate_cpu("flux", size="small", optimizer="adamw", progress=False)
     peak, _ = profiler_window(prof)
     parameter_bytes = tl.baseline_by_category["parameter"]
     assert parameter_bytes > 100 * 2**20  # what a real run would hold before its first step
@@ -115,8 +116,8 @@ def test_estimate_counts_what_an_optimization_owns():
             shadows = [torch.zeros_like(p) for p in model.parameters()]  # fake tensors inside estimate
             return memkit.Handle(lambda: None, name="shadow", owned={"ema": shadows})
 
-    plain = memkit.estimate("dit", size="tiny")
-    shadowed = memkit.estimate("dit", size="tiny", optimizations=[Shadow()])
+    plain = estimate_cpu("dit", size="tiny")
+    shadowed = estimate_cpu("dit", size="tiny", optimizations=[Shadow()])
     params = plain.baseline_by_category["parameter"]
     assert shadowed.baseline_by_category["ema"] == params
     assert shadowed.peak_bytes == plain.peak_bytes + params
@@ -124,11 +125,11 @@ def test_estimate_counts_what_an_optimization_owns():
 
 def test_estimate_takes_a_step_or_its_parts_but_not_both():
     step = memkit.Step(optimizer="sgd", steps=2)
-    a = memkit.estimate("dit", size="tiny", step=step)
-    b = memkit.estimate("dit", size="tiny", optimizer="sgd", steps=2)
+    a = estimate_cpu("dit", size="tiny", step=step)
+    b = estimate_cpu("dit", size="tiny", optimizer="sgd", steps=2)
     assert a.peak_bytes == b.peak_bytes and a.meta["optimizer"] == "sgd" and a.meta["steps"] == 2
     assert a.baseline_by_category["optimizer_state"] > 0  # the second step finds the first one's momentum
     with pytest.raises(ValueError, match="give either step or mode/optimizer/steps"):
-        memkit.estimate("dit", size="tiny", step=step, optimizer="adamw")
+        estimate_cpu("dit", size="tiny", step=step, optimizer="adamw")
     with pytest.raises(TypeError, match="step must be a memkit.Step"):
-        memkit.estimate("dit", size="tiny", step="sgd")
+        estimate_cpu("dit", size="tiny", step="sgd")

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _cpu_estimate import estimate_cpu
 
 import memkit
 from memkit.handle import apply_all
@@ -30,7 +31,7 @@ def _fake(n: int, *, steps: int = 2, optimizations=(), **kwargs) -> memkit.Timel
     key = ("fake", n, steps, tuple(str(o) for o in optimizations), tuple(sorted(kwargs.items())))
     if key not in _cache:
         fsdp = memkit.FSDP(world_size=n, **kwargs)
-        _cache[key] = memkit.estimate(
+        _cache[key] = estimate_cpu(
             PRESET, size="tiny", optimizer="adamw", steps=steps, optimizations=optimizations, parallel=fsdp
         )
     return _cache[key]
@@ -104,17 +105,17 @@ def test_fsdp_is_keyword_only_frozen_and_named():
 
 def test_estimate_refuses_fsdp_among_the_optimizations():
     with pytest.raises(ValueError, match="parallel="):
-        memkit.estimate(PRESET, size="tiny", optimizations=[memkit.FSDP(world_size=2)])
+        estimate_cpu(PRESET, size="tiny", optimizations=[memkit.FSDP(world_size=2)])
     with pytest.raises(TypeError, match="parallel must be a memkit.FSDP"):
-        memkit.estimate(PRESET, size="tiny", parallel=2)
+        estimate_cpu(PRESET, size="tiny", parallel=2)
 
 
 # ---- world size 1 is today's estimate ---------------------------------------------------------------------------
 def test_world_size_1_equals_the_unsharded_estimate():
     # AdamW's step is the peak of a first step here: only shards (= the whole model at N=1), their gradients and
     # the new optimizer state are alive then, exactly as without FSDP, so the two peaks agree to the byte.
-    plain = memkit.estimate(PRESET, size="tiny", optimizer="adamw")
-    one = memkit.estimate(PRESET, size="tiny", optimizer="adamw", parallel=memkit.FSDP(world_size=1))
+    plain = estimate_cpu(PRESET, size="tiny", optimizer="adamw")
+    one = estimate_cpu(PRESET, size="tiny", optimizer="adamw", parallel=memkit.FSDP(world_size=1))
     assert one.peak_phase == plain.peak_phase == "optimizer"
     assert one.peak_bytes == plain.peak_bytes
     assert one.peak_by_category() == plain.peak_by_category()
@@ -125,7 +126,7 @@ def test_world_size_1_equals_the_unsharded_estimate():
 def test_world_size_1_adds_only_fsdp_buffers_in_forward_and_backward():
     # With the optimizer state already there (2nd step) the peak moves into backward, where FSDP at N=1 holds an
     # unsharded copy of the blocks it works on and its flat buffers besides the shards: never less than without.
-    plain = memkit.estimate(PRESET, size="tiny", optimizer="adamw", steps=2)
+    plain = estimate_cpu(PRESET, size="tiny", optimizer="adamw", steps=2)
     one = _fake(1)
     assert one.baseline_by_category == plain.baseline_by_category
     assert one.peak_bytes >= plain.peak_bytes
@@ -171,7 +172,7 @@ def test_sharded_categories_scale_within_cuda_rounding():
     # Planned for a GPU, every storage is a multiple of 512 bytes: each shard rounds up by less than a block.
     params = list(_tiny().parameters())
     n = 4
-    tl = memkit.estimate(
+    tl = estimate_cpu(
         PRESET, size="tiny", optimizer="adamw", steps=2, device="cuda", parallel=memkit.FSDP(world_size=n)
     )
     shard = _shard_bytes(params, n)
@@ -281,7 +282,7 @@ def _cuda_plan(n: int, *, real: bool = False, **kwargs) -> memkit.Timeline:
     # AdamW as torch runs it: foreach on the GPU; with CPU offload on CPU tensors, where torch loops (as estimate does)
     step = Step(optimizer="adamw", steps=2, foreach=None if fsdp.cpu_offload else True)
     if not real:
-        _cache[key] = memkit.estimate(PRESET, size="tiny", step=step, device="cuda", parallel=fsdp)
+        _cache[key] = estimate_cpu(PRESET, size="tiny", step=step, device="cuda", parallel=fsdp)
         return _cache[key]
     with _planning("cuda") as host:
         model = _tiny()
@@ -353,7 +354,7 @@ def test_cpu_offload_copies_each_shard_to_the_gpu_for_its_all_gather():
 
 def test_an_ema_of_cpu_offloaded_shards_lives_beside_them_in_host_memory():
     n = 2
-    tl = memkit.estimate(
+    tl = estimate_cpu(
         PRESET,
         size="tiny",
         optimizer="adamw",
@@ -369,7 +370,7 @@ def test_group_offload_is_refused_with_fsdp_pointing_to_its_cpu_offload(tmp_path
     fsdp = memkit.FSDP(world_size=2)
     offload = memkit.Offload(to="disk", path=tmp_path)
     with pytest.raises(ValueError, match=r"optimizations: memkit\.Offload .*cpu_offload=True"):
-        memkit.estimate(PRESET, size="tiny", optimizations=[offload], parallel=fsdp)
+        estimate_cpu(PRESET, size="tiny", optimizations=[offload], parallel=fsdp)
     with pytest.raises(ValueError, match=r"optimizations: memkit\.Offload .*cpu_offload=True"):
         sharded_order([memkit.Checkpointing(), offload], fsdp)
     model = _tiny()
@@ -380,14 +381,14 @@ def test_group_offload_is_refused_with_fsdp_pointing_to_its_cpu_offload(tmp_path
 
 # ---- process group and model lifecycle --------------------------------------------------------------------------
 def test_the_process_group_is_gone_after_an_estimate_even_one_that_fails():
-    memkit.estimate(PRESET, size="tiny", parallel=memkit.FSDP(world_size=2))
+    estimate_cpu(PRESET, size="tiny", parallel=memkit.FSDP(world_size=2))
     assert not dist.is_initialized()
 
     def broken(model):
         raise RuntimeError("no inputs today")
 
     with pytest.raises(RuntimeError, match="no inputs today"):
-        memkit.estimate(PRESET, broken, size="tiny", parallel=memkit.FSDP(world_size=2))
+        estimate_cpu(PRESET, broken, size="tiny", parallel=memkit.FSDP(world_size=2))
     assert not dist.is_initialized()
 
 
@@ -395,8 +396,8 @@ def test_a_running_process_group_is_used_and_kept():
     dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
     try:
         with pytest.raises(ValueError, match="world_size is 4, but a process group of 2 ranks"):
-            memkit.estimate(PRESET, size="tiny", parallel=memkit.FSDP(world_size=4))
-        tl = memkit.estimate(PRESET, size="tiny", optimizer="adamw", steps=2, parallel=memkit.FSDP(world_size=2))
+            estimate_cpu(PRESET, size="tiny", parallel=memkit.FSDP(world_size=4))
+        tl = estimate_cpu(PRESET, size="tiny", optimizer="adamw", steps=2, parallel=memkit.FSDP(world_size=2))
         assert dist.is_initialized() and dist.get_world_size() == 2
         assert tl.peak_bytes == _fake(2).peak_bytes
     finally:
@@ -462,7 +463,7 @@ def test_the_local_shard_optimizer_is_the_dtensor_optimizer_byte_for_byte(n):
     # An estimate steps the optimizer on the local shards (DTensor's foreach dispatch is O(N^2) in torch 2.13);
     # the real run below steps torch's AdamW on the DTensors, foreach as on CUDA: the same timeline.
     step = Step(optimizer="adamw", steps=2, foreach=True)
-    fake = memkit.estimate(PRESET, size="tiny", step=step, parallel=memkit.FSDP(world_size=n))
+    fake = estimate_cpu(PRESET, size="tiny", step=step, parallel=memkit.FSDP(world_size=n))
     model = _tiny()
     inputs = memkit.make_inputs(model)
     with memkit.FSDP(world_size=n).apply(model) as handle:
@@ -510,12 +511,12 @@ def test_a_checkpointing_budget_is_planned_for_the_sharded_step():
 
     def peak(pattern: str) -> int:
         ckpt = [memkit.Checkpointing(pattern=pattern)]
-        return memkit.estimate(PRESET, size="tiny", optimizations=ckpt, parallel=fsdp).peak_bytes
+        return estimate_cpu(PRESET, size="tiny", optimizations=ckpt, parallel=fsdp).peak_bytes
 
     none, every = peak("none"), peak("all")
     assert every < none
     budget = (none + every) // 2
-    tl = memkit.estimate(PRESET, size="tiny", optimizations=[memkit.Checkpointing(budget_bytes=budget)], parallel=fsdp)
+    tl = estimate_cpu(PRESET, size="tiny", optimizations=[memkit.Checkpointing(budget_bytes=budget)], parallel=fsdp)
     assert tl.peak_bytes <= budget and tl.meta["parallel"] == "fsdp:2"
     assert tl.meta["checkpoint_plans"]
 

@@ -139,9 +139,11 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--steps",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="run N steps and measure the last (state living across steps counts)",
+        help="run N steps and measure only the last (1: the first step alone). Default: in training both the first "
+        "step and the steady step that every later step repeats (the optimizer state exists), the larger peak "
+        "being the answer",
     )
     p.add_argument("--batch-size", type=int, default=1, metavar="N", help="samples per step")
     for key, unit in SIZE_FLAGS.items():

@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
         accepted = ", ".join("--" + k.replace("_", "-") for k in allowed)
         raise CLIError(f"{flags} does not apply to {args.preset!r}; it takes {accepted}")
+    if args.steps is not None and args.steps < 1:
+        raise CLIError(f"--steps takes an int >= 1 (1: the first step alone), got {args.steps}")
+    if args.steps == 1 and not training:
+        raise CLIError("--steps 1 asks for the first training step; an inference pass has no first or steady step")
     check_writable(args.html)
     check_writable(args.png)
     parallel = _parallel(args)
@@ -117,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         "dtype": meta["dtype"],
         "optimizer": optimizer,
         "device": args.device,
-        "steps": args.steps,
+        "steps": meta["steps"],
+        "measured": meta["measured"],
+        "bytes": meta["bytes"],
         "batch_size": args.batch_size,
         "inputs": shape,
         "optimizations": [str(o) for o in optimizations],
@@ -126,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         "events": len(timeline),
         "baseline_bytes": timeline.baseline_bytes,
         "peak_bytes": timeline.peak_bytes,
+        "first_step_peak_bytes": meta["first_step_peak_bytes"],
+        "steady_peak_bytes": meta["steady_peak_bytes"],
         "peak_by_category": timeline.peak_by_category(),
         "host_bytes": dict(meta.get("host_bytes") or {}),
         "seconds": meta["seconds"],
@@ -170,8 +178,14 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("parameters", fmt_count(meta["parameters"])),
         (f"baseline ({args.unit})", f"{timeline.baseline_bytes / div:{num}}"),
-        (f"peak ({args.unit})", f"{timeline.peak_bytes / div:{num}}"),
+        (f"peak ({args.unit}, {_which(meta)})", f"{timeline.peak_bytes / div:{num}}"),
     ]
+    if meta["measured"] == "first and steady":
+        rows += [
+            (f"  first step ({args.unit})", f"{meta['first_step_peak_bytes'] / div:{num}}"),
+            (f"  steady step ({args.unit})", f"{meta['steady_peak_bytes'] / div:{num}}"),
+        ]
+        rows.append((f"by category, at the peak ({args.unit})", ""))
     rows += [(f"  {c}", f"{v / div:{num}}") for c, v in result["peak_by_category"].items() if v]
     if any(result["host_bytes"].values()):  # e.g. an offloaded EMA: in CPU memory, so not in the GPU peak
         rows.append((f"in CPU memory, off the GPU peak ({args.unit})", ""))
@@ -186,7 +200,18 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.device == "cuda":
         print(
-            "\nThe peak compares with torch.cuda.max_memory_allocated(); add the CUDA context (~0.3-0.5 GiB), "
-            "cuBLAS workspaces and fragmentation for nvidia-smi."
+            "\nThe peak is allocated bytes: it compares with torch.cuda.max_memory_allocated(); add the CUDA context "
+            "(~0.3-0.5 GiB), cuBLAS workspaces and fragmentation for nvidia-smi."
         )
     return 0
+
+
+def _which(meta: dict) -> str:
+    """Which step the peak is, in words: the larger of the two, or the one measured."""
+    measured = meta["measured"]
+    if measured == "first and steady":
+        first, steady = meta["first_step_peak_bytes"], meta["steady_peak_bytes"]
+        return "steady step" if steady > first else "first step" if first > steady else "first = steady step"
+    if measured in ("first", "steady"):
+        return f"{measured} step (of --steps {meta['steps']})"
+    return "inference pass"

@@ -183,6 +183,45 @@ class Timeline:
         i = self.peak_index
         return self.baseline_bytes if i < 0 else int(self.live_bytes[i])
 
+    def peak_between(self, start: int, stop: int | None = None) -> int:
+        """Highest live bytes over the events ``start`` to ``stop`` (exclusive; None: the end), counting the bytes
+        already live when event ``start`` happens: the peak of one part of the window, e.g. one step of several.
+
+        Example:
+            >>> tl.peak_between(0, tl.meta["step_starts"][1])   # the first step's peak
+        """
+        live = self.live_bytes
+        stop = len(live) if stop is None else stop
+        if not 0 <= start <= stop <= len(live):
+            raise IndexError(f"start and stop must satisfy 0 <= start <= stop <= {len(live)}, got {start}, {stop}")
+        before = self.baseline_bytes if start == 0 else int(live[start - 1])
+        return max(before, int(live[start:stop].max())) if stop > start else before
+
+    def copy(self) -> Timeline:
+        """A fixed copy (the event columns shared, read-only; ``meta`` copied one level deep).
+
+        Example:
+            >>> mine = tl.copy(); mine.meta["label"] = "mine"   # tl's meta is unchanged
+        """
+        self._sync()
+        columns = {}
+        for name, col in self._columns.items():
+            view = col.view()
+            view.flags.writeable = False
+            columns[name] = view
+        meta = {
+            k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v) for k, v in self.meta.items()
+        }
+        return Timeline(
+            columns,
+            baseline_by_category=self._baseline,
+            devices=self.devices,
+            ops=self.ops,
+            frames=self.frames,
+            meta=meta,
+            baseline_by_device=self._baseline_dev,
+        )
+
     @property
     def peak_time(self) -> float:
         """Seconds since tracking began at the peak (0.0 if memory never rose above the baseline)."""

@@ -6,8 +6,11 @@ to match (bf16/fp16 matmuls and flash attention from AVX-512 up, AMX included, e
 those ops the tracker asks a worker process to run the same op once, on tensors of the same shapes, strides
 and dtype, with the same thread count, CPU and ``ONEDNN_MAX_CPU_ISA``/``ATEN_CPU_CAPABILITY`` environment,
 under ``torch.profiler(profile_memory=True)``, and records how far the allocator rose above what the op
-leaves behind. The answer is cached per signature for the life of the process, so a training loop pays once
-per distinct op call (a tiny model: a few dozen calls of a few milliseconds, plus ~2 s to start the worker).
+leaves behind. The answer is cached per signature, in the process and on disk (a JSON file in the user's cache
+folder, ``platformdirs.user_cache_dir("memkit")`` or ``MEMKIT_CACHE_DIR``, one file per torch version and CPU:
+model, flags, logical cores, kernel path), so a machine pays once per distinct op call, not once per process
+(a tiny model: a few dozen calls of a few milliseconds, plus ~2 s to start the worker; full Flux in bf16: 61
+signatures, ~30 s). A cache file that cannot be read or written is ignored with a warning, never an error.
 
 Why a worker process and not the profiler in-process: only one profiler session can run at a time, and the
 user (or a test) may already be profiling the tracked step. Values are never sent, only layouts.
@@ -25,6 +28,8 @@ Example:
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import os
 import pickle
 import struct
@@ -41,6 +46,8 @@ _cache: dict[tuple, int | None] = {}
 _lock = threading.Lock()
 _worker: subprocess.Popen | None = None
 _broken: str | None = None  # why the worker cannot be used in this process
+_disk: dict[str, int] | None = None  # the cache file's answers (repr of the signature -> bytes), once read
+_disk_warned: set[str] = set()
 
 
 class _Unlearnable(Exception):
@@ -99,10 +106,90 @@ def learned_bytes(func, args, kwargs) -> int | None:
         pass
     with _lock:
         if key not in _cache:
-            _cache[key] = _ask(
-                func._schema.name + "." + (func._overloadname or "default"), spec_args, spec_kwargs, threads
-            )
+            known = _from_disk().get(repr(key))
+            if known is not None:
+                _cache[key] = known
+            else:
+                _cache[key] = _ask(
+                    func._schema.name + "." + (func._overloadname or "default"), spec_args, spec_kwargs, threads
+                )
+                if _cache[key] is not None:
+                    _to_disk(repr(key), _cache[key])
     return _cache[key]
+
+
+def cache_file() -> str:
+    """The file this process keeps learned answers in: one per torch version and CPU (model, flags, logical
+    cores, kernel path), in ``MEMKIT_CACHE_DIR`` or the user's cache folder.
+
+    Example:
+        >>> from memkit.memory.workspace import learned
+        >>> learned.cache_file()   # e.g. ~/.cache/memkit/workspace-torch2.13.0-3f9c....json
+    """
+    from platformdirs import user_cache_dir
+
+    from .cpu_path import cpu_flags, cpu_path
+
+    root = os.environ.get("MEMKIT_CACHE_DIR") or user_cache_dir("memkit")
+    machine = (torch.__version__, cpu_path(), sorted(cpu_flags()), _cpu_model(), os.cpu_count())
+    digest = hashlib.sha256(repr(machine).encode()).hexdigest()[:16]
+    return os.path.join(root, f"workspace-torch{torch.__version__}-{digest}.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def _warn_once(what: str, path: str, e: Exception) -> None:
+    if what not in _disk_warned:
+        _disk_warned.add(what)
+        warnings.warn(
+            f"memkit: the workspace cache {path} cannot be {what} ({type(e).__name__}: {e}); it is ignored, and "
+            "kernel buffers are learned again in each process",
+            stacklevel=4,
+        )
+
+
+def _read_file(path: str) -> dict[str, int]:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not all(isinstance(k, str) and type(v) is int for k, v in data.items()):
+        raise ValueError("not a mapping of signatures to byte counts")
+    return data
+
+
+def _from_disk() -> dict[str, int]:
+    global _disk
+    if _disk is None:
+        path = cache_file()
+        try:
+            _disk = _read_file(path) if os.path.exists(path) else {}
+        except (OSError, ValueError) as e:
+            _warn_once("read", path, e)
+            _disk = {}
+    return _disk
+
+
+def _to_disk(signature: str, nbytes: int) -> None:
+    """Add one answer to the cache file: merged with what other processes wrote meanwhile, replaced atomically."""
+    _from_disk()[signature] = nbytes
+    path = cache_file()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            merged = {**_read_file(path), **_disk}
+        except (OSError, ValueError):
+            merged = dict(_disk)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(merged, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        _warn_once("written", path, e)
 
 
 def _ask(op: str, args, kwargs, threads: int) -> int | None:
@@ -166,5 +253,6 @@ atexit.register(_stop)
 
 
 def cache_info() -> dict[str, int]:
-    """How many signatures were learned in this process, and how many could not be (``None`` answers)."""
+    """How many signatures this process knows the answer to (learned or read from the cache file), and how many
+    could not be learned (``None`` answers)."""
     return {"learned": sum(v is not None for v in _cache.values()), "failed": sum(v is None for v in _cache.values())}

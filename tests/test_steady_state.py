@@ -1,0 +1,134 @@
+"""The default estimate is the step that repeats: the first step and the steady step are both measured, and the
+answer is the larger peak. Checked against real CPU steps tracked one by one (steps 1, 2 and 3), to the byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memkit
+
+
+class Wide(torch.nn.Module):
+    """Activations (batch 512 > width 256: twice the weights) alive at the start of the backward beside AdamW's
+    state (2x the weights), which the steady step carries and the first does not: the steady step's peak (weights,
+    state, activations: 5x the weights) is above the first step's (its update: weights, gradients, state, 4x)."""
+
+    def __init__(self, width: int = 256, depth: int = 4):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+
+    def forward(self, x):
+        return self.layers(torch.relu(x))
+
+
+def inputs(model):
+    return {"x": torch.ones(512, 256)}
+
+
+def real_steps(n: int, model_fn=Wide, inputs_fn=inputs, optimizer="adamw") -> list[memkit.Timeline]:
+    """Steps 1..n of a real CPU training loop, each tracked in a window of its own."""
+    torch.manual_seed(0)
+    model = model_fn()
+    x = inputs_fn(model)
+    runner = memkit.Step(optimizer=optimizer, steps=1).bind(model)
+    out = []
+    for _ in range(n):
+        with memkit.track(inputs=x, **runner.tracked_objects()) as tl:
+            runner.run(x)
+        out.append(tl)
+    return out
+
+
+def test_the_default_measures_the_first_and_the_steady_step_to_the_byte():
+    first, second, third = (tl.peak_bytes for tl in real_steps(3))
+    assert second == third  # the steady step repeats
+    assert second > first  # the optimizer state alive in the backward: the first step misses it
+    tl = memkit.estimate(Wide, inputs, device="cpu", dtype=torch.float32)
+    assert tl.meta["measured"] == "first and steady"
+    assert tl.meta["first_step_peak_bytes"] == first
+    assert tl.meta["steady_peak_bytes"] == second
+    assert tl.peak_bytes == second  # the larger of the two
+
+
+def test_the_steady_step_carries_the_state_the_first_created():
+    first, steady = real_steps(2)
+    tl = memkit.estimate(Wide, inputs, device="cpu", dtype=torch.float32)
+    start = tl.meta["step_starts"][1]
+    # what is live when the steady step begins: weights, the optimizer's state (2x the weights), the inputs
+    state = tl.bytes_by_category_at(start - 1)
+    assert state["optimizer_state"] == steady.baseline_by_category["optimizer_state"] > 0
+    assert state["gradient"] == steady.baseline_by_category["gradient"] == 0  # zero_grad(set_to_none=True)
+    assert tl.peak_between(0, start) == first.peak_bytes
+
+
+def test_explicit_steps_measure_only_the_last():
+    first, second, third = (tl.peak_bytes for tl in real_steps(3))
+    for n, want, which in ((1, first, "first"), (2, second, "steady"), (3, third, "steady")):
+        tl = memkit.estimate(Wide, inputs, device="cpu", dtype=torch.float32, steps=n)
+        assert tl.peak_bytes == want
+        assert tl.meta["measured"] == which
+        assert tl.meta["first_step_peak_bytes"] == (want if n == 1 else None)
+        assert tl.meta["steady_peak_bytes"] == (want if n > 1 else None)
+
+
+def test_a_first_step_that_is_the_larger_is_the_answer():
+    # no weight-sized state, a big first-update transient: SGD with momentum creates its buffers in the first
+    # update, after the backward's gradients exist, and keeps them, so both steps peak in the update; the first
+    # step's peak is never below the steady one's, and the answer is the larger whichever it is
+    first, second = (tl.peak_bytes for tl in real_steps(2, optimizer="sgd"))
+    tl = memkit.estimate(Wide, inputs, device="cpu", dtype=torch.float32, optimizer="sgd")
+    assert (tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"]) == (first, second)
+    assert tl.peak_bytes == max(first, second)
+
+
+@pytest.mark.parametrize("preset", ["pixart", "flux"])
+def test_presets_first_and_steady_step_equal_real_steps(preset):
+    def model_fn():
+        return memkit.load_model(preset, size="tiny")
+
+    first, second = real_steps(2, model_fn, lambda m: memkit.make_inputs(m))
+    tl = memkit.estimate(preset, size="tiny", device="cpu", dtype=torch.float32)
+    assert tl.meta["first_step_peak_bytes"] == first.peak_bytes
+    assert tl.meta["steady_peak_bytes"] == second.peak_bytes
+    assert tl.peak_bytes == max(first.peak_bytes, second.peak_bytes)
+
+
+def test_inference_is_one_pass_and_refuses_a_first_step():
+    tl = memkit.estimate("dit", size="tiny", mode="inference", device="cpu", dtype=torch.float32)
+    assert tl.meta["measured"] == "inference"
+    assert tl.meta["steps"] == 1
+    assert tl.meta["first_step_peak_bytes"] == tl.meta["steady_peak_bytes"] == tl.peak_bytes
+    with pytest.raises(ValueError, match="steps=1 asks for the first training step"):
+        memkit.estimate("dit", size="tiny", mode="inference", steps=1)
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5, "2", True])
+def test_bad_steps_name_the_argument(steps):
+    with pytest.raises(ValueError, match="steps must be None .* or an int >= 1"):
+        memkit.estimate("dit", size="tiny", steps=steps)
+
+
+def test_the_defaults_are_the_command_line_s():
+    tl = memkit.estimate("dit", size="tiny")
+    assert (tl.meta["device"], tl.meta["dtype"], tl.meta["optimizer"]) == ("cuda", "bfloat16", "adamw")
+    assert tl.meta["measured"] == "first and steady"
+    assert tl.meta["bytes"] == "allocated"
+    inference = memkit.estimate("dit", size="tiny", mode="inference")
+    assert inference.meta["optimizer"] is None
+
+
+def test_the_same_estimate_again_is_a_copy_of_the_first():
+    memkit.estimation.clear_cache()
+    a = memkit.estimate("dit", size="tiny")
+    b = memkit.estimate("dit", size="tiny")
+    assert (a.meta["cached"], b.meta["cached"]) == (False, True)
+    assert b.peak_bytes == a.peak_bytes and len(b) == len(a)
+    assert (b.column("bytes") == a.column("bytes")).all()
+    b.meta["label"] = "mine"
+    assert memkit.estimate("dit", size="tiny").meta.get("label") != "mine"  # nothing a caller does leaks back
+    other = memkit.estimate("dit", size="tiny", optimizer="sgd")
+    assert not other.meta["cached"]
+    ckpt = memkit.estimate("dit", size="tiny", optimizations=[memkit.Checkpointing()])
+    assert not ckpt.meta["cached"] and len(ckpt) != len(a)
+    assert memkit.estimate("dit", size="tiny", optimizations=[memkit.Checkpointing()]).meta["cached"]
