@@ -1,6 +1,7 @@
 """What ``memkit.estimate`` costs at full size: seconds and RAM per preset, and the peaks it predicts.
 
-Each estimate (a bf16 AdamW training step planned for CUDA, default input sizes) runs in a fresh Python process,
+Each estimate (a bf16 AdamW training step planned for CUDA, default input sizes, ``memkit.estimate``'s default:
+the first and the steady step, both measured, the peak being the larger) runs in a fresh Python process,
 so its peak RSS (``VmHWM``) is its own: "RSS after imports" is the floor that importing torch,
 diffusers and memkit sets, "peak RSS" includes the estimate. The estimate's seconds are the ones it reports in
 ``timeline.meta`` (model construction on fake tensors, the step, the timeline); "process" adds interpreter start
@@ -58,6 +59,8 @@ def _worker(preset: str, checkpointing: bool) -> None:
         "parameters": timeline.meta["parameters"],
         "events": len(timeline),
         "peak_bytes": timeline.peak_bytes,
+        "first_step_peak_bytes": timeline.meta["first_step_peak_bytes"],
+        "steady_peak_bytes": timeline.meta["steady_peak_bytes"],
         "peak_by_category": timeline.peak_by_category(),
         "max_activation_bytes": int(timeline.live_by_category()["activation"].max(initial=0)),
         "peak_phase": _phase_at(timeline, timeline.peak_index),
@@ -105,6 +108,8 @@ def run(quick: bool = False) -> Section:
             log(f"  {preset} ({label}): {r['seconds']:.1f} s, peak RSS {r['rss_peak_kib'] / 2**10:.0f} MiB")
             if checkpointing:
                 row["peak ckpt (GiB)"] = r["peak_bytes"] / 2**30
+                row["first step ckpt (GiB)"] = r["first_step_peak_bytes"] / 2**30
+                row["steady step ckpt (GiB)"] = r["steady_peak_bytes"] / 2**30
                 row["estimate ckpt (s)"] = r["seconds"]
                 row["peak RSS ckpt (MiB)"] = r["rss_peak_kib"] / 2**10
                 row["max activation ckpt (GiB)"] = r["max_activation_bytes"] / 2**30
@@ -118,6 +123,8 @@ def run(quick: bool = False) -> Section:
                         "RSS after imports (MiB)": r["rss_imports_kib"] / 2**10,
                         "peak RSS (MiB)": r["rss_peak_kib"] / 2**10,
                         "peak (GiB)": r["peak_bytes"] / 2**30,
+                        "first step (GiB)": r["first_step_peak_bytes"] / 2**30,
+                        "steady step (GiB)": r["steady_peak_bytes"] / 2**30,
                         "max activation (GiB)": r["max_activation_bytes"] / 2**30,
                         "peak is in": r["peak_phase"],
                     }
@@ -135,6 +142,10 @@ def run(quick: bool = False) -> Section:
             f"({'met' if ok_time else 'MISSED'}) and {rss:.2f} GiB peak RSS ({'met' if ok_rss else 'MISSED'})."
         )
     notes += [
+        "Which step: every peak is allocated bytes on the planned GPU; 'peak' is the larger of the first step's "
+        "and the steady step's (step 2, which every later step repeats: the optimizer state exists through its "
+        "forward and backward), each also given. Before the steady-state default (2026-11-25) this table held "
+        "first-step peaks, and an estimate ran one step: it now runs two, so it takes about twice as long.",
         "With AdamW the peak of most presets falls in the optimizer step (parameters, gradients, two moments "
         "and a foreach temporary), where checkpointing cannot help; its effect shows in the max activation "
         "columns, and on the peak of a step without optimizer (`memkit estimate PRESET --optimizer none`).",

@@ -45,6 +45,8 @@ def _worker(preset: str, world_size: int, checkpointing: bool) -> None:
                 "seconds": timeline.meta["seconds"],
                 "events": len(timeline),
                 "peak_bytes": timeline.peak_bytes,
+                "first_step_peak_bytes": timeline.meta["first_step_peak_bytes"],
+                "steady_peak_bytes": timeline.meta["steady_peak_bytes"],
                 "peak_phase": timeline.peak_phase,
                 "peak_by_category": timeline.peak_by_category(),
                 "rss_imports_kib": rss_imports,
@@ -102,6 +104,8 @@ def run(quick: bool = False) -> Section:
                 "events": r["events"],
                 "peak RSS (MiB)": r["rss_peak_kib"] / 2**10,
                 "per-GPU peak (GiB)": r["peak_bytes"] / 2**30,
+                "first step (GiB)": r["first_step_peak_bytes"] / 2**30,
+                "steady step (GiB)": r["steady_peak_bytes"] / 2**30,
                 "peak is in": r["peak_phase"],
                 "parameter (GiB)": cat["parameter"] / 2**30,
                 "gradient (GiB)": cat["gradient"] / 2**30,
@@ -128,6 +132,9 @@ def run(quick: bool = False) -> Section:
         "(copy-in, all-gather, copy-out, chunk-cat, reduce-scatter) that the unsharded step does not, and each "
         "fake op costs ~50-100 µs of torch's dispatch. The optimizer runs on the local shards: torch's AdamW on "
         "the DTensors took ~80 s of its own (DTensor's foreach sharding propagation is O(N²) in torch 2.13).",
+        "Which step: the per-GPU peak is the larger of the first step's and the steady step's (step 2, the "
+        "optimizer state's shards alive through its forward and backward), both also given; before the "
+        "steady-state default (2026-11-25) this table held first-step peaks from one-step estimates.",
         "Peaks are what torch.cuda.max_memory_allocated() would report on rank 0 (512-byte blocks); NCCL's own "
         "buffers, the CUDA context and stream-ordered reuse of communication buffers are not modelled.",
         "The estimates run one after another; the machine's other load slows them (see the load average above).",

@@ -134,7 +134,9 @@ class Comparison:
         return cls(results=results, mode=mode, tolerance=float("nan"), baseline=baseline)
 
     def table(self, unit: str = "MiB") -> pd.DataFrame:
-        """One row per variant: peak total and by category (in ``unit``), step time, differences, pass.
+        """One row per variant: peak total and by category (in ``unit``), step time, differences, pass. For
+        estimates of the first and the steady step (:func:`memkit.estimate`'s default), each step's peak too: the
+        peak is the larger.
 
         Example:
             >>> memkit.compare("flux", {"ckpt": [memkit.Checkpointing()]}).table()
@@ -144,6 +146,8 @@ class Comparison:
         peaks = {name: r.timeline.peak_by_category() for name, r in self.results.items()}
         shown = [cat for cat in CATEGORIES if any(p[cat] for p in peaks.values())]
         check_names = list(dict.fromkeys(c for r in self.results.values() for c in r.checks))
+        # estimates of the first and the steady step: each step's peak beside the larger one
+        both = any(r.timeline.meta.get("measured") == "first and steady" for r in self.results.values())
         rows = []
         for name, r in self.results.items():
             tl = r.timeline
@@ -153,6 +157,10 @@ class Comparison:
                 f"peak ({unit})": tl.peak_bytes / scale,
                 "peak vs baseline": tl.peak_bytes / base.timeline.peak_bytes,
             }
+            if both:
+                for key, label in (("first_step_peak_bytes", "first step"), ("steady_peak_bytes", "steady step")):
+                    value = tl.meta.get(key)
+                    row[f"{label} ({unit})"] = value / scale if value is not None else float("nan")
             for cat in shown:
                 row[f"{cat} ({unit})"] = peaks[name][cat] / scale
             row["peak phase"] = tl.peak_phase
@@ -355,6 +363,8 @@ def compare(
             model.zero_grad(set_to_none=True)
             with track(inputs=step_inputs, label=name, **runner.tracked_objects()) as tl:
                 runner.run(step_inputs)
+            # after the compared and timed steps: the optimizer's state exists, the step is the steady one
+            tl.meta["measured"] = "steady" if variant_step.training else "inference"
         result = VariantResult(name, list(variant.optimizations), tl, seconds, checks=checks, step=variant_step)
         ok = all(v <= tolerance for v in checks.values())
         if reference is None:

@@ -253,6 +253,12 @@ def timeline_figure(
         where = {"row": devices.index(oom["device"]) + 1, "col": 1} if split else {}
         line = {"color": "#C00000", "width": 1.5, "dash": "dot"}
         fig.add_vline(x=oom["time"], line=line, annotation_text=text, annotation_font_color="#C00000", **where)
+    starts = timeline.meta.get("step_starts") or []
+    if len(starts) == 2 and not split and 0 < starts[1] < len(timeline):  # an estimate's first and steady step
+        line = {"color": "#555", "width": 1, "dash": "dash"}
+        at = float(timeline.time[starts[1]])
+        fig.add_vline(x=at, line=line, annotation_text="steady step →", annotation_position="top right")
+        fig.add_vline(x=t_start, line_width=0, annotation_text="first step →", annotation_position="top right")
     title = title or timeline.meta.get("label") or "Memory over the step"
     if split and events:  # untimed traces are laid end to end: their sum is no moment's
         title += f" ({len(devices)} devices, each on its own; their traces have no times)"

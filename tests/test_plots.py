@@ -256,3 +256,15 @@ def test_a_multi_device_timeline_with_an_unknown_baseline_split_is_drawn_as_one_
     assert [tr.name for tr in fig.data if tr.name and tr.name.startswith("total")] == ["total"]
     with pytest.raises(ValueError, match="segments"):
         plots.segments_figure(tl)
+
+
+def test_an_estimate_s_first_and_steady_step_are_marked():
+    tl = memkit.estimate("dit", size="tiny")
+    start = tl.meta["step_starts"][1]
+    fig = plots.timeline_figure(tl)
+    texts = {a.text: a.x for a in fig.layout.annotations}
+    assert "first step →" in texts and "steady step →" in texts
+    steady_lines = [s for s in fig.layout.shapes if s.type == "line" and s.line.dash == "dash"]
+    assert [s.x0 for s in steady_lines] == pytest.approx([float(tl.time[start])])
+    one = memkit.estimate("dit", size="tiny", steps=2)  # one step measured: nothing to mark
+    assert not any("steady step" in (a.text or "") for a in plots.timeline_figure(one).layout.annotations)

@@ -132,3 +132,30 @@ def test_the_same_estimate_again_is_a_copy_of_the_first():
     ckpt = memkit.estimate("dit", size="tiny", optimizations=[memkit.Checkpointing()])
     assert not ckpt.meta["cached"] and len(ckpt) != len(a)
     assert memkit.estimate("dit", size="tiny", optimizations=[memkit.Checkpointing()]).meta["cached"]
+
+
+def test_the_playground_estimates_both_steps_on_a_gpu_by_default():
+    from memkit.widgets.state import PlaygroundState
+
+    state = PlaygroundState(preset="dit", estimate_size="tiny")
+    assert state.steps is None and state.dtype == "bfloat16"
+    result = state.estimate()
+    assert result.ok, result.message
+    tl = result.comparison.results["baseline"].timeline
+    assert (tl.meta["device"], tl.meta["optimizer"], tl.meta["measured"]) == ("cuda", "adamw", "first and steady")
+    table = result.comparison.table(unit="B")
+    assert table.loc["baseline", "first step (B)"] == tl.meta["first_step_peak_bytes"]
+    assert table.loc["baseline", "steady step (B)"] == tl.meta["steady_peak_bytes"]
+    assert table.loc["baseline", "peak (B)"] == max(tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"])
+    state.steps = 1  # the first step alone: one peak, no per-step columns
+    one = state.estimate().comparison
+    assert one.results["baseline"].timeline.meta["measured"] == "first"
+    assert "steady step (B)" not in one.table(unit="B").columns
+    state.mode = "inference"  # steps say which training step: an inference pass is one alike
+    assert state.estimate().comparison.results["baseline"].timeline.meta["measured"] == "inference"
+
+
+def test_the_playground_s_steps_control_offers_first_and_steady():
+    pg = memkit.Playground(preset="dit")
+    assert pg.controls["steps"].value is None
+    assert dict(pg.controls["steps"].options)["first + steady"] is None

@@ -34,6 +34,8 @@ from .state import DTYPES, INPUT_SIZES, VARIANT_MODES, PlaygroundState, RunResul
 __all__ = ["Playground"]
 
 _LABEL_WIDTH = "90px"
+# which training steps an estimate measures (PlaygroundState.steps)
+STEP_CHOICES = [("first + steady", None), ("first only", 1), ("step 2", 2), ("step 3", 3), ("step 5", 5)]
 _GRID = "repeat(auto-fill, minmax(260px, 1fr))"
 _TABLE_CSS = (
     "<style>.memkit-table table{border-collapse:collapse;font-size:0.85em}"
@@ -108,7 +110,7 @@ class Playground:
         c["optimizer"] = widgets.Dropdown(
             options=[("none", None), "adamw", "adam", "sgd"], value=s.optimizer, description="optimizer"
         )
-        c["steps"] = widgets.BoundedIntText(value=s.steps, min=1, max=100, description="steps")
+        c["steps"] = widgets.Dropdown(options=STEP_CHOICES, value=s.steps, description="steps")
         c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
         c["variants"] = widgets.ToggleButtons(options=list(VARIANT_MODES), value=s.variants, description="variants")
         tips = {
@@ -118,8 +120,9 @@ class Playground:
             "batch_size": "samples per step",
             "mode": "training: forward, loss, backward (and the optimizer); inference: forward under no_grad",
             "optimizer": "training only: its state counts as optimizer_state",
-            "steps": "Estimate: steps run before the measured one (optimizer state, EMA shadows exist). Run "
-            "always measures a step that follows the compared and timed ones",
+            "steps": "Estimate: first + steady measures the first step and the steady one every later step repeats "
+            "(optimizer state, EMA shadows exist), the larger peak being the answer; N measures step N alone. Run "
+            "always measures a steady step, after the compared and timed ones",
             "repeats": "Run: untracked steps per variant timed for the 'step (s)' column (0: no timing)",
             "variants": "together: one variant with every enabled optimization; each: one variant per optimization",
         }

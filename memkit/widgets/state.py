@@ -86,11 +86,11 @@ class PlaygroundState:
         *,
         preset: str = "flux",
         size: Literal["tiny", "small", "full"] = "tiny",
-        dtype: str = "float32",
+        dtype: str = "bfloat16",
         batch_size: int = 1,
         mode: Literal["training", "inference"] = "training",
         optimizer: str | None = "adamw",
-        steps: int = 1,
+        steps: int | None = None,
         repeats: int = 2,
         variants: Literal["together", "each"] = "together",
         seed: int = 0,
@@ -138,7 +138,8 @@ class PlaygroundState:
         from ..step import Step
 
         optimizer = self.optimizer if self.mode == "training" else None
-        return Step(mode=self.mode, optimizer=optimizer, steps=self.steps)
+        # steps say which training step is measured; an inference pass is always one alike
+        return Step(mode=self.mode, optimizer=optimizer, steps=self.steps if self.mode == "training" else None)
 
     def configs(self) -> list[Any]:
         """The enabled optimizations' configs, in registry order."""
@@ -174,8 +175,11 @@ class PlaygroundState:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
         for name in ("batch_size", "steps"):
             value = getattr(self, name)
+            if name == "steps" and value is None:  # the first and the steady step
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+                none = " or None (the first and the steady step)" if name == "steps" else ""
+                raise ValueError(f"{name} must be a whole number >= 1{none}, got {value!r}")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 0:
             raise ValueError(f"repeats must be a whole number >= 0, got {self.repeats!r}")
         for k, v in self.sizes.items():
@@ -322,7 +326,7 @@ class PlaygroundState:
         self._check()
         step, variants, dtype, sizes = self.step(), self.build_variants(), self._torch_dtype(), self.input_sizes()
         runs = {"baseline": (), **{name: v.optimizations for name, v in variants.items()}}
-        progress.total = len(runs) * (step.steps + 1)
+        progress.total = len(runs) * (step.runs + 1)
         preset, size, seed, batch = self.preset, self.estimate_size, self.seed, self.batch_size
         timelines = {}
         for name, optimizations in runs.items():
