@@ -3,6 +3,8 @@ answer is the larger peak. Checked against real CPU steps tracked one by one (st
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -159,3 +161,38 @@ def test_the_playground_s_steps_control_offers_first_and_steady():
     pg = memkit.Playground(preset="dit")
     assert pg.controls["steps"].value is None
     assert dict(pg.controls["steps"].options)["first + steady"] is None
+
+
+def test_the_command_line_reports_both_steps(capsys):
+    from memkit.cli import main
+
+    assert main(["estimate", "dit", "--size", "tiny", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    tl = memkit.estimate("dit", size="tiny")
+    assert (result["first_step_peak_bytes"], result["steady_peak_bytes"]) == (
+        tl.meta["first_step_peak_bytes"],
+        tl.meta["steady_peak_bytes"],
+    )
+    assert result["peak_bytes"] == max(result["first_step_peak_bytes"], result["steady_peak_bytes"])
+    assert (result["measured"], result["bytes"], result["steps"]) == ("first and steady", "allocated", 2)
+    assert main(["estimate", "dit", "--size", "tiny", "--unit", "B"]) == 0
+    out = capsys.readouterr().out
+    assert "first step (B)" in out and f"{tl.meta['steady_peak_bytes']:,}" in out and "steady step (B)" in out
+    assert main(["estimate", "dit", "--size", "tiny", "--steps", "1", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert (one["measured"], one["steady_peak_bytes"]) == ("first", None)
+    assert one["first_step_peak_bytes"] == one["peak_bytes"] == tl.meta["first_step_peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps takes an int >= 1"),
+        (["--inference", "--steps", "1"], "--steps 1 asks for the first training step"),
+    ],
+)
+def test_the_command_line_refuses_bad_steps(capsys, argv, message):
+    from memkit.cli import main
+
+    assert main(["estimate", "dit", "--size", "tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
