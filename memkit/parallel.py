@@ -327,16 +327,9 @@ def on_local_shards(optimizer: torch.optim.Optimizer | None) -> torch.optim.Opti
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that get their own ``fully_shard``: the blocks checkpointing chooses from."""
-    from .optimizations.checkpointing import diffusers_blocks, module_list_blocks
+    from .blocks import find_blocks
 
-    if getattr(model, "_supports_gradient_checkpointing", False):
-        blocks = diffusers_blocks(model)
-    else:
-        try:
-            blocks = module_list_blocks(model)
-        except ValueError:  # no block list: the root alone is sharded
-            blocks = []
-    return [b for _, b in blocks]
+    return [b for _, b in find_blocks(model, required=False)]  # no block list: the root alone is sharded
 
 
 def _shallow_dict(module: torch.nn.Module) -> dict[str, Any]:

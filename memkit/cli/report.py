@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     body = [
         f"<h1>{html.escape(title)}</h1>",
         f"<p class='note'>{html.escape(memkit.PRESETS[preset].description)}, {size} size, random weights. "
-        "Every variant ran on the same weights and inputs; memory is the exact tracked peak of one steady step (after the compared and timed ones: "
-        "an optimizer's state exists), allocated bytes on the CPU, time "
+        "Every variant ran on the same weights and inputs; memory is the exact tracked peak of one steady step "
+        "(after the compared and timed ones: an optimizer's state exists), allocated bytes on the CPU, time "
         f"the median of {args.repeats} untracked step(s) after a warm-up. A variant passes when its output and "
         f"gradients match the baseline within a relative {comparison.tolerance:g}.</p>",
         "<h2>Comparison</h2>",

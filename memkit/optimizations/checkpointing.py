@@ -34,6 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
+from ..blocks import diffusers_blocks, find_blocks, is_diffusers_model, module_list_blocks  # noqa: F401  (importable from here, as before)
 from ..handle import Handle
 from ..memory.tracker import off_device
 from ._common import planned_cuda as _planned_cuda
@@ -203,59 +204,6 @@ def _selected(pattern, blocks: Sequence[torch.nn.Module]) -> list[bool]:
     return [i in chosen for i in range(n)]
 
 
-# The lists whose elements diffusers' forwards hand to ``_gradient_checkpointing_func``: transformer blocks
-# (``transformer_blocks``, ``single_transformer_blocks``, ``blocks``) and UNet's ``resnets`` (its attention
-# blocks are ``transformer_blocks`` inside a Transformer2DModel). Up/downsamplers are never checkpointed.
-_BLOCK_LISTS = re.compile(r"(^|_)blocks$|^resnets$")
-
-
-def diffusers_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The modules a diffusers model hands to its checkpointing function, in module order: the elements of the
-    block lists (``*blocks``, ``resnets``) of modules that have a ``gradient_checkpointing`` flag, except
-    containers whose own submodules checkpoint (UNet's down/up blocks). UNet's mid-block runs its first resnet
-    outside diffusers' checkpointing: it is numbered, but checkpointing it changes nothing.
-
-    Example:
-        >>> [name for name, _ in diffusers_blocks(memkit.load_model("flux"))]
-        ['transformer_blocks.0', 'single_transformer_blocks.0']
-    """
-    out = []
-    for name, module in model.named_modules():
-        if not hasattr(module, "gradient_checkpointing"):
-            continue
-        for child_name, child in module.named_children():
-            if not isinstance(child, torch.nn.ModuleList) or not _BLOCK_LISTS.search(child_name):
-                continue
-            for i, block in enumerate(child):
-                if any(hasattr(m, "gradient_checkpointing") for m in block.modules()):
-                    continue  # a container: its own submodules are the blocks
-                out.append((".".join(p for p in (name, child_name, str(i)) if p), block))
-    return out
-
-
-def module_list_blocks(model: torch.nn.Module, blocks: str | None = None) -> list[tuple[str, torch.nn.Module]]:
-    """The blocks of a plain ``nn.Module``: its ``nn.ModuleList`` named ``blocks``, or its longest one.
-
-    Example:
-        >>> module_list_blocks(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 3)))
-    """
-    lists = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)}
-    if blocks is not None:
-        if blocks not in lists:
-            raise ValueError(
-                f"blocks must name a non-empty nn.ModuleList of the model, one of {sorted(lists)}, got {blocks!r}"
-            )
-        name = blocks
-    else:
-        if not lists:
-            raise ValueError(
-                f"model ({type(model).__name__}) has no nn.ModuleList of blocks to checkpoint and is not "
-                "a diffusers model that supports gradient checkpointing"
-            )
-        name = max(lists, key=lambda n: len(lists[n]))  # the first of the longest
-    return [(f"{name}.{i}", b) for i, b in enumerate(lists[name])]
-
-
 @dataclass(frozen=True, kw_only=True)
 class Checkpointing:
     """Recompute chosen blocks' activations in the backward instead of storing them.
@@ -358,9 +306,7 @@ class Checkpointing:
         ]
 
     def _blocks(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        if getattr(model, "_supports_gradient_checkpointing", False) and self.blocks is None:
-            return diffusers_blocks(model)
-        return module_list_blocks(model, self.blocks)
+        return find_blocks(model, name=self.blocks)
 
     def apply(self, model: torch.nn.Module) -> Handle:
         """Turn checkpointing on for the chosen blocks of ``model``; returns the handle that turns it off."""
@@ -373,7 +319,7 @@ class Checkpointing:
             return plan.config.apply(model)
         blocks = self._blocks(model)
         chosen = _selected(self.pattern, [b for _, b in blocks])
-        if getattr(model, "_supports_gradient_checkpointing", False) and self.blocks is None:
+        if is_diffusers_model(model) and self.blocks is None:
             return self._apply_diffusers(model, {id(b) for (_, b), c in zip(blocks, chosen, strict=True) if c})
         return self._apply_wrapped([b for (_, b), c in zip(blocks, chosen, strict=True) if c])
 

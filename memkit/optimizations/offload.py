@@ -40,12 +40,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..blocks import find_blocks
 from ..handle import Handle
 from ._common import planned_cuda as _planned_cuda
 from ._common import warn_once as _warn_once
 from ._offload_store import DiskStore, FakeDiskStore, HostStore, OffloadError
 from ._offloader import _Group, _Offloader, _owner, _return_freed_memory, onloaded
-from .checkpointing import diffusers_blocks, module_list_blocks
 
 __all__ = ["Offload", "OffloadError", "groups_of", "onloaded"]
 
@@ -85,10 +85,7 @@ def _found(model: nn.Module, group: str, blocks_per_group: int) -> list[tuple[st
     """``groups_of``'s groups, each with whether it is blocks (all their parameters, their layers hooked too)."""
     if group == "leaf":
         return [(n, [m], False) for n, m in model.named_modules() if _owns(m)]
-    if getattr(model, "_supports_gradient_checkpointing", False):
-        blocks = diffusers_blocks(model)
-    else:
-        blocks = module_list_blocks(model)
+    blocks = find_blocks(model)
     out = []
     for i in range(0, len(blocks), blocks_per_group):
         chunk = blocks[i : i + blocks_per_group]
