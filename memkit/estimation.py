@@ -193,7 +193,7 @@ def estimate(
             optimizer FSDP's CPU offload runs on the CPU) or ``"cpu"`` (CPU kernels' own buffers, learned once
             per signature and kept in the user's cache folder).
         progress: show a progress bar (build, then each step); None shows it for full-size presets, which
-            take ~10–30 s.
+            take ~10–30 s a step on a laptop CPU (two steps by default).
         parallel: a :class:`memkit.FSDP`: the timeline of rank 0 of a fully sharded run over its world size
             (torch's FSDP2 on a fake process group, started for the estimate and ended after it unless one is
             running). The optimizations are applied before the sharding, an EMA after it (on the shards).
@@ -264,7 +264,7 @@ def estimate(
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
     n = step.runs
-    measured = 2 if step.first_and_steady else 1  # steps tracked, at the end of the n run
+    tracked = 2 if step.first_and_steady else 1  # the last steps of the n run
     bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
     # the mesh must exist before fake mode (built inside, it fails); the process group ends with the estimate
     group = parallel.process_group() if parallel is not None else contextlib.nullcontext()
@@ -285,7 +285,7 @@ def estimate(
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)
             bar.update()
-            for i in range(n - measured):
+            for i in range(n - tracked):
                 bar.set_postfix_str(f"step {i + 1}/{n}")
                 runner.run(kwargs)
                 bar.update()
@@ -303,7 +303,7 @@ def estimate(
                 host=host,  # before the model: FSDP's offloaded shards are its parameters
                 **objects,
             ) as timeline:
-                for i in range(n - measured, n):
+                for i in range(n - tracked, n):
                     bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
                     starts.append(len(timeline))
                     runner.run(kwargs)
