@@ -242,12 +242,9 @@ def estimate(
 
     t0 = time.perf_counter()
     key = _cache_key(model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes)
-    cached = _RESULTS.get(key) if key is not None else None
+    cached = _lookup(key, t0)
     if cached is not None:
-        _RESULTS.move_to_end(key)
-        timeline = cached.copy()
-        timeline.meta.update(cached=True, seconds=time.perf_counter() - t0)
-        return timeline
+        return cached
     plans = []
     if any(getattr(o, "budget_bytes", None) is not None for o in optimizations):
         optimizations, plans = _plan_budgets(
@@ -337,10 +334,7 @@ def estimate(
         cached=False,
         seconds=time.perf_counter() - t0,
     )
-    if key is not None:
-        _RESULTS[key] = timeline.copy()
-        while len(_RESULTS) > _RESULTS_KEPT:
-            _RESULTS.popitem(last=False)
+    _store(key, timeline)
     return timeline
 
 
@@ -377,6 +371,24 @@ def _cache_key(model, inputs, step, optimizations, dtype, size, batch_size, devi
         parts.append((type(o), o))
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MEMKIT_")))
     return (model, size, step, tuple(parts), dtype, batch_size, device, seed, tuple(sorted(sizes.items())), env)
+
+
+def _lookup(key: tuple | None, t0: float) -> Timeline | None:
+    """A copy of the estimate made earlier with these arguments (``meta["cached"]`` True), or None."""
+    cached = _RESULTS.get(key) if key is not None else None
+    if cached is None:
+        return None
+    _RESULTS.move_to_end(key)
+    timeline = cached.copy()
+    timeline.meta.update(cached=True, seconds=time.perf_counter() - t0)
+    return timeline
+
+
+def _store(key: tuple | None, timeline: Timeline) -> None:
+    if key is not None:
+        _RESULTS[key] = timeline.copy()
+        while len(_RESULTS) > _RESULTS_KEPT:
+            _RESULTS.popitem(last=False)
 
 
 def clear_cache() -> None:

@@ -196,3 +196,21 @@ def test_the_command_line_refuses_bad_steps(capsys, argv, message):
 
     assert main(["estimate", "dit", "--size", "tiny", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_playground_shows_a_setting_it_estimated_before_at_once():
+    from memkit.widgets.state import PlaygroundState
+
+    memkit.estimation.clear_cache()
+    state = PlaygroundState(preset="dit", estimate_size="tiny")
+    state.optimizations["checkpointing"].enabled = True
+    first = state.estimate().comparison
+    again = state.estimate().comparison
+    for name in ("baseline", *state.build_variants()):
+        a, b = first.results[name].timeline, again.results[name].timeline
+        assert (a.meta["cached"], b.meta["cached"]) == (False, True)
+        assert b.peak_bytes == a.peak_bytes and len(b) == len(a) and b.meta["label"] == name
+    # the one cache of the process: the library call with the same settings is answered from it
+    assert memkit.estimate("dit", size="tiny").meta["cached"]
+    state.batch_size = 2  # another setting: estimated anew
+    assert not state.estimate().comparison.results["baseline"].timeline.meta["cached"]

@@ -320,7 +320,7 @@ class PlaygroundState:
 
     def _estimate(self, progress: _Progress, stop: Callable[[], bool], live: _Live) -> Any:
         from ..comparison import Comparison
-        from ..estimation import estimate
+        from ..estimation import _cache_key, _lookup, _store, estimate
         from ..models import load_model
 
         self._check()
@@ -341,10 +341,18 @@ class PlaygroundState:
                 return model
 
             model_fn.__name__ = preset  # the estimate's meta["model"]
-            tl = estimate(
-                model_fn, step=step, optimizations=optimizations, dtype=dtype, batch_size=batch,
-                seed=seed, progress=False, **sizes,
-            )  # fmt: skip
+            # the preset's estimate, as memkit.estimate(preset, ...) keeps it: a setting shown before is shown at once
+            key = _cache_key(preset, None, step, optimizations, dtype, size, batch, "cuda", seed, None, sizes)
+            tl = _lookup(key, time.perf_counter())
+            if tl is None:
+                tl = estimate(
+                    model_fn, step=step, optimizations=optimizations, dtype=dtype, batch_size=batch,
+                    seed=seed, progress=False, **sizes,
+                )  # fmt: skip
+                tl.meta.update(size=size)
+                _store(key, tl)
+            else:
+                progress.stage(f"{name}: estimated earlier in this session")
             tl.meta.update(label=name, size=size)
             timelines[name] = tl
         comparison = Comparison.from_timelines(timelines, mode=step.mode)
