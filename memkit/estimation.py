@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from tqdm.auto import tqdm
 
 from .handle import Optimization, apply_all
 from .memory.events import CUDA_BLOCK
+from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
 from .memory.timeline import Timeline
 from .memory.tracker import track
 from .models import _default_dtype, load_model, make_inputs
@@ -48,77 +48,6 @@ from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
 __all__ = ["clear_cache", "estimate", "noted_in_host", "note_disk_memory", "note_host_memory", "planned_device"]
-
-# (planned device, host tensors by category) while an estimate builds and steps its model
-_PLAN: contextvars.ContextVar[tuple[str, dict[str, list[torch.Tensor]], list[int]] | None] = contextvars.ContextVar(
-    "memkit_estimate_plan", default=None
-)
-
-
-def planned_device() -> str | None:
-    """The device the running :func:`estimate` plans for (``"cpu"`` or ``"cuda"``), None outside one.
-
-    Its fake parameters are CPU tensors standing for that device's: an optimization that keeps state in host
-    memory reads this to know whether that state is off the accelerator.
-
-    Example:
-        >>> host = mode != "device" and (param.device.type != "cpu" or planned_device() == "cuda")
-    """
-    plan = _PLAN.get()
-    return plan[0] if plan is not None else None
-
-
-def note_host_memory(category: str, tensors: Iterable[torch.Tensor]) -> None:
-    """Inside an estimate for ``"cuda"``: ``tensors`` (owned by an optimization) live in host memory, so they
-    are left out of the device timeline and counted in ``timeline.meta["host_bytes"][category]``. Elsewhere:
-    nothing (real tensors are tracked on their own device).
-
-    Example:
-        >>> note_host_memory("ema", shadows)
-    """
-    plan = _PLAN.get()
-    if plan is not None and plan[0] == "cuda":
-        plan[1].setdefault(category, []).extend(tensors)
-
-
-def noted_in_host(tensors: Iterable[torch.Tensor]) -> bool:
-    """Inside an estimate for ``"cuda"``: True if every tensor's storage (a DTensor's: its local shard's) was
-    noted in host memory, e.g. parameters ``FSDP(cpu_offload=True)`` keeps on the CPU, which are CPU tensors on
-    a GPU machine too. Elsewhere: False.
-
-    Example:
-        >>> if noted_in_host(params): ...   # an EMA of them lives beside them, in host memory
-    """
-    from .memory.tracker import _plain
-
-    plan = _PLAN.get()
-    if plan is None or plan[0] != "cuda":
-        return False
-    noted = {inner.untyped_storage()._cdata for ts in plan[1].values() for t in ts for inner in _plain(t)}
-    inner = [x for t in tensors for x in _plain(t)]
-    return bool(inner) and all(x.untyped_storage()._cdata in noted for x in inner)
-
-
-def note_disk_memory(nbytes: int) -> None:
-    """Inside an estimate: an optimization keeps ``nbytes`` on disk (``memkit.Offload(to="disk")``'s files),
-    reported in ``timeline.meta["disk_bytes"]``. Elsewhere: nothing.
-
-    Example:
-        >>> note_disk_memory(sum(p.numel() * p.element_size() for p in offloaded))
-    """
-    plan = _PLAN.get()
-    if plan is not None:
-        plan[2].append(int(nbytes))
-
-
-@contextlib.contextmanager
-def _planning(device: str) -> Iterator[dict[str, list[torch.Tensor]]]:
-    host: dict[str, list[torch.Tensor]] = {}
-    token = _PLAN.set((device, host, []))  # the list: bytes noted on disk (note_disk_memory)
-    try:
-        yield host
-    finally:
-        _PLAN.reset(token)
 
 
 def _storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -266,11 +195,11 @@ def estimate(
     # the mesh must exist before fake mode (built inside, it fails); the process group ends with the estimate
     group = parallel.process_group() if parallel is not None else contextlib.nullcontext()
     quiet = warnings.catch_warnings()
-    with bar, group as mesh, quiet, FakeTensorMode(), _default_dtype(dtype), _planning(device) as host:
+    with bar, group as mesh, quiet, FakeTensorMode(), _default_dtype(dtype), planning(device) as plan:
         # FSDP2 warns that diffusers' output is a view an in-place op would detach from its hooks: the step's loss
         # is out of place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        disk = _PLAN.get()[2]
+        host = plan.host
         bar.set_postfix_str("building the model")
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
@@ -329,7 +258,7 @@ def estimate(
         parallel=str(parallel) if parallel is not None else None,
         parameters=params,
         host_bytes=host_bytes,
-        disk_bytes=sum(disk),
+        disk_bytes=sum(plan.disk),
         checkpoint_plans=[str(p) for p in plans],
         cached=False,
         seconds=time.perf_counter() - t0,

@@ -232,12 +232,11 @@ def _offload_to_host(model: torch.nn.Module) -> list:
     """With CPU offload, note rank 0's shards as host memory for an estimate for ``"cuda"`` (nothing elsewhere),
     and hook each shard so that its gradient, which FSDP2 copies to the host after the reduce-scatter (a no-op
     on a CPU mesh), is a host copy while a tracker holds the shard in host memory."""
+    from .memory.placement import note_host_memory
     from .memory.tracker import host_state, in_host_state
 
     params = [fp for m in model.modules() for fp in _fsdp_params(m)]
-    estimation = sys.modules.get("memkit.estimation")  # importing it would pull in diffusers
-    if estimation is not None:
-        estimation.note_host_memory("parameter", [fp._sharded_param_data for fp in params])
+    note_host_memory("parameter", [fp._sharded_param_data for fp in params])  # only in an estimate for "cuda"
 
     def to_host(param: torch.Tensor) -> None:
         grad = param.grad

@@ -145,11 +145,12 @@ def test_mixed_dtypes_update_in_bounded_chunks_in_the_ema_phase():
 def test_offload_streams_through_a_bounded_buffer_with_the_same_shadows(foreach):
     # In an estimate for "cuda", CPU parameters stand for device ones: "offload" then takes its GPU path (host
     # shadows copied through a device buffer), which runs here on real CPU tensors.
-    from memkit.estimation import _planning
+    from memkit.memory.placement import planning
 
     model = memkit.load_model("flux")
     ref = EMAModel(model.parameters(), decay=0.99, foreach=foreach)
-    with _planning("cuda") as host:
+    with planning("cuda") as plan:
+        host = plan.host
         ema = memkit.EMA(decay=0.99, mode="offload", foreach=foreach, chunk_mb=0.01).build(model)
         assert ema._stream and host["ema"] is not None
         for i in range(5):

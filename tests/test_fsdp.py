@@ -273,7 +273,7 @@ def _gpu_bytes(nbytes: int) -> int:
 def _cuda_plan(n: int, *, real: bool = False, **kwargs) -> memkit.Timeline:
     """Rank 0 planned for a GPU, AdamW with foreach as on CUDA; ``real``: the same on real CPU tensors, under the
     plan an estimate makes (its fake CPU tensors stand for GPU ones, so do these)."""
-    from memkit.estimation import _planning
+    from memkit.memory.placement import planning
 
     key = ("cuda", real, n, tuple(sorted(kwargs.items())))
     if key in _cache:
@@ -284,7 +284,8 @@ def _cuda_plan(n: int, *, real: bool = False, **kwargs) -> memkit.Timeline:
     if not real:
         _cache[key] = estimate_cpu(PRESET, size="tiny", step=step, device="cuda", parallel=fsdp)
         return _cache[key]
-    with _planning("cuda") as host:
+    with planning("cuda") as plan:
+        host = plan.host
         model = _tiny()
         inputs = memkit.make_inputs(model)
         with fsdp.apply(model) as handle:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 import warnings
+
+from ..memory.placement import planned_device
 
 _warned: set[str] = set()
 
@@ -18,7 +19,5 @@ def warn_once(message: str) -> None:
 
 def planned_cuda() -> bool:
     """True inside an estimate for ``"cuda"``, where the fake CPU tensors stand for device ones
-    (``memkit.estimation.planned_device``; read through ``sys.modules``: importing memkit.estimation here would pull
-    in diffusers)."""
-    estimation = sys.modules.get("memkit.estimation")
-    return estimation is not None and estimation.planned_device() == "cuda"
+    (:func:`memkit.memory.placement.planned_device`)."""
+    return planned_device() == "cuda"

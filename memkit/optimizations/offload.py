@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,6 +41,7 @@ from torch import nn
 
 from ..blocks import find_blocks
 from ..handle import Handle
+from ..memory.placement import note_disk_memory, note_host_memory, planned_device
 from ._common import planned_cuda as _planned_cuda
 from ._common import warn_once as _warn_once
 from ._offload_store import DiskStore, FakeDiskStore, HostStore, OffloadError
@@ -209,13 +209,12 @@ class Offload:
 
     @staticmethod
     def _note_memory(store, groups: list[_Group]) -> None:
-        estimation = sys.modules.get("memkit.estimation")
-        if estimation is None or estimation.planned_device() is None:
+        if planned_device() is None:
             return
         if isinstance(store, HostStore):
-            estimation.note_host_memory("parameter", [t for ts in store.host.values() for t in ts])
+            note_host_memory("parameter", [t for ts in store.host.values() for t in ts])
         else:
-            estimation.note_disk_memory(sum(g.nbytes for g in groups))
+            note_disk_memory(sum(g.nbytes for g in groups))
 
     @classmethod
     def parse(cls, value: str) -> Offload:
