@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -30,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from ..handle import Handle
+from ..memory.placement import note_host_memory, noted_in_host, planned_device
 from ..memory.tracker import phase
 from ._common import warn_once as _warn_once
 from .offload import onloaded
@@ -244,12 +244,10 @@ class EMAState:
         self.device = devices.pop() if devices else torch.device("cpu")
         cfg = self.config
         # In an estimate for "cuda" the fake CPU parameters stand for device ones and the shadows for host memory
-        # (no estimate runs unless memkit.estimation is imported: don't import it, it pulls in diffusers)
-        estimation = sys.modules.get("memkit.estimation")
-        planned = estimation is not None and self.device.type == "cpu" and estimation.planned_device() == "cuda"
+        planned = self.device.type == "cpu" and planned_device() == "cuda"
         # parameters an estimate noted in host memory (FSDP's CPU-offloaded shards) are CPU tensors on the GPU
         # machine too: the EMA is what it is on CPU parameters, its shadows beside them in host memory
-        beside_host = planned and estimation.noted_in_host(originals)
+        beside_host = planned and noted_in_host(originals)
         planned = planned and not beside_host
         host = cfg.mode != "device" and (self.device.type != "cpu" or planned)
         self._pin = host and cfg.mode == "offload" and torch.cuda.is_available() and self.device.type == "cuda"
@@ -263,8 +261,8 @@ class EMAState:
             self.shadow_params: list[torch.Tensor] = [
                 self._shadow_of(p.detach(), host and not planned) for p in originals
             ]
-        if (host or beside_host) and estimation is not None:
-            estimation.note_host_memory("ema", self.shadow_params)
+        if host or beside_host:
+            note_host_memory("ema", self.shadow_params)  # only in an estimate for "cuda"
         self.optimization_step = 0
         self.cur_decay_value: float | None = None
         self.temp_stored_params: list[torch.Tensor] | None = None
