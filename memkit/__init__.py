@@ -42,8 +42,8 @@ _EXPORTS = {
     "Handle": ".handle",
     "Optimization": ".handle",
     "Checkpointing": ".optimizations",
-    "CheckpointPlan": ".optimizations.checkpoint_plan",
-    "plan_checkpointing": ".optimizations.checkpoint_plan",
+    "CheckpointPlan": ".planning",
+    "plan_checkpointing": ".planning",
     "EMA": ".optimizations.ema",
     "FFSplit": ".optimizations.feedforward",
     "Offload": ".optimizations.offload",
@@ -112,11 +112,11 @@ if TYPE_CHECKING:
     from .memory.tracker import track
     from .models import load_model, make_inputs
     from .optimizations import Checkpointing
-    from .optimizations.checkpoint_plan import CheckpointPlan, plan_checkpointing
     from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
     from .optimizations.offload import Offload
     from .parallel import FSDP
+    from .planning import CheckpointPlan, plan_checkpointing
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
     from .widgets.app import Playground

@@ -57,7 +57,7 @@ def _storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
 def _plan_budgets(model_fn, inputs, optimizations, **kwargs):
     """Each ``Checkpointing(budget_bytes=...)`` replaced by the pattern it plans for this very estimate (its
     step, sizes, dtype, device and the other optimizations), before the estimate itself runs."""
-    from .optimizations.checkpoint_plan import plan_checkpointing
+    from .planning import plan_checkpointing
 
     resolved, plans = list(optimizations), []
     for i, o in enumerate(resolved):

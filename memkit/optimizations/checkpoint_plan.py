@@ -1,147 +1,20 @@
-"""Choosing which blocks to checkpoint for a memory budget.
+"""Deprecated: the budget solver moved beside the estimate it runs, to :mod:`memkit.planning`.
 
-Checkpointing more blocks lowers the activations the forward keeps and costs more recompute, so the best
-pattern for a budget is the one that checkpoints the fewest blocks while its peak still fits. The solver asks
-:func:`memkit.estimate` (fake tensors: nothing is allocated, so it works for a full-size model on a laptop)
-for the peak of "k blocks checkpointed, spread evenly" and searches k: ``none`` and ``all`` first, then a
-bisection, so a model with n blocks costs about ``2 + log2(n)`` estimates (the peak does not grow when more
-blocks are checkpointed). The estimate is the tracker's own step on fake tensors, so the prediction is the
-peak a real step of that model, inputs and step would reach on ``device``.
+``from memkit.optimizations.checkpoint_plan import plan_checkpointing`` keeps working for one release, with a
+``DeprecationWarning``; ``memkit.plan_checkpointing`` is the name to use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+import warnings
 
-import torch
+from ..planning import CheckpointPlan, plan_checkpointing, spread
 
-from .checkpointing import Checkpointing
+__all__ = ["CheckpointPlan", "plan_checkpointing", "spread"]
 
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """The pattern a budget asks for, and what the solver measured to choose it.
-
-    Example:
-        >>> plan = memkit.plan_checkpointing("ltx-video", budget_bytes=40 * 2**30, device="cuda")
-        >>> plan.config, plan.predicted_peak_bytes / 2**30, plan.fits
-    """
-
-    config: Checkpointing
-    """The chosen configuration: ``pattern`` is ``"none"``, ``"all"`` or the tuple of block indices."""
-    predicted_peak_bytes: int
-    """The estimated peak of one step with ``config``."""
-    budget_bytes: int
-    """The budget asked for."""
-    blocks: int
-    """How many blocks the model has."""
-    checkpointed: int
-    """How many of them ``config`` checkpoints."""
-    tried: tuple[tuple[int, int], ...]
-    """``(blocks checkpointed, estimated peak)`` for every candidate estimated, in the order tried."""
-
-    @property
-    def fits(self) -> bool:
-        """False when even checkpointing every block does not fit (``config`` is then ``"all"``)."""
-        return self.predicted_peak_bytes <= self.budget_bytes
-
-    def __str__(self) -> str:
-        from ..units import format_bytes
-
-        verdict = "fits" if self.fits else "does NOT fit"
-        return (
-            f"{self.config}: {self.checkpointed} of {self.blocks} blocks checkpointed, predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)}, {verdict} the budget of {format_bytes(self.budget_bytes)}"
-        )
-
-
-def spread(k: int, n: int) -> tuple[int, ...]:
-    """``k`` of ``n`` block indices, spread evenly from block 0 (``every:N`` when ``N = n / k`` is whole).
-
-    Example:
-        >>> spread(3, 12)
-        (0, 4, 8)
-    """
-    if not 0 <= k <= n:
-        raise ValueError(f"k must be between 0 and n={n}, got {k}")
-    return tuple(sorted({i * n // k for i in range(k)})) if k else ()
-
-
-def _config(k: int, n: int, provider: str) -> Checkpointing:
-    if k == 0:
-        return Checkpointing(pattern="none", provider=provider)
-    if k == n:
-        return Checkpointing(pattern="all", provider=provider)
-    return Checkpointing(pattern=spread(k, n), provider=provider)
-
-
-def plan_checkpointing(
-    model: str | Callable[[], torch.nn.Module],
-    budget_bytes: int,
-    *,
-    provider: str = "torch",
-    inputs: Callable[[torch.nn.Module], Mapping[str, Any]] | None = None,
-    optimizations: tuple = (),
-    **estimate_kwargs: Any,
-) -> CheckpointPlan:
-    """The pattern with the least recompute whose estimated peak fits ``budget_bytes``.
-
-    ``model``, ``inputs`` and ``estimate_kwargs`` (``size``, ``dtype``, ``device``, ``step`` or ``optimizer``,
-    ``batch_size``, image and video sizes...) are :func:`memkit.estimate`'s and describe the step the budget
-    is for; ``optimizations`` are applied beside checkpointing in every candidate. A full-size model takes
-    ``2 + log2(blocks)`` estimates of ~10–30 s each.
-
-    Example:
-        >>> plan = memkit.plan_checkpointing("flux", 60 * 2**30, dtype=torch.bfloat16, device="cuda")
-        >>> print(plan)                      # checkpointing:0,2,4,...: 29 of 57 blocks, predicted peak ...
-        >>> memkit.train_step(model, inputs) # after plan.config.apply(model)
-    """
-    from ..estimation import estimate
-
-    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive int (bytes), got {budget_bytes!r}")
-    Checkpointing(provider=provider)  # validates the provider before any estimate runs
-    estimate_kwargs.setdefault("progress", False)
-    counted: list[int] = []
-
-    def count(index: int, block: torch.nn.Module) -> bool:
-        counted.append(index)
-        return False
-
-    peaks: dict[int, int] = {}
-    tried: list[tuple[int, int]] = []
-
-    def peak(k: int, config: Checkpointing) -> int:
-        if k not in peaks:
-            tl = estimate(model, inputs, optimizations=[*optimizations, config], **estimate_kwargs)
-            peaks[k] = tl.peak_bytes
-            tried.append((k, tl.peak_bytes))
-        return peaks[k]
-
-    peak(0, Checkpointing(pattern=count, provider=provider))  # no block checkpointed; counts the blocks
-    n = len(set(counted))
-    if n == 0:
-        raise ValueError("the model has no blocks to checkpoint")
-    lo, hi = 0, n  # invariant once all fits: peak(hi) fits; the answer is in [lo, hi]
-    if peak(0, _config(0, n, provider)) <= budget_bytes:
-        hi = 0
-    elif peak(n, _config(n, n, provider)) > budget_bytes:
-        hi = n
-    else:
-        lo = 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if peak(mid, _config(mid, n, provider)) <= budget_bytes:
-                hi = mid
-            else:
-                lo = mid + 1
-    return CheckpointPlan(
-        config=_config(hi, n, provider),
-        predicted_peak_bytes=peaks[hi],
-        budget_bytes=budget_bytes,
-        blocks=n,
-        checkpointed=hi,
-        tried=tuple(tried),
-    )
+warnings.warn(
+    "memkit.optimizations.checkpoint_plan moved to memkit.planning (memkit.plan_checkpointing); the old path goes "
+    "in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -41,7 +41,7 @@ from ._common import planned_cuda as _planned_cuda
 from ._common import warn_once as _warn_once
 
 if TYPE_CHECKING:
-    from .checkpoint_plan import CheckpointPlan
+    from ..planning import CheckpointPlan
 
 PATTERN_FORMS = ("none", "all", "every:N", "skip-every:N", "first:K", "last:K")
 """The string forms of a pattern; a tuple of block indices or a callable ``(index, block) -> bool`` also work."""
@@ -269,7 +269,7 @@ class Checkpointing:
             >>> plan = memkit.Checkpointing(budget_bytes=16 * 2**30).plan(transformer, height=1024, width=1024)
             >>> plan.config.apply(transformer)
         """
-        from .checkpoint_plan import plan_checkpointing
+        from ..planning import plan_checkpointing
 
         if self.budget_bytes is None:
             raise ValueError("plan() needs budget_bytes=, the memory budget to fit (bytes)")

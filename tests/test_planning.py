@@ -5,7 +5,7 @@ import torch
 from _cpu_estimate import CPU_STEP, estimate_cpu
 
 import memkit
-from memkit.optimizations.checkpoint_plan import spread
+from memkit.planning import spread
 
 # LTX-Video small (8 blocks) at 33 frames: activations set the peak of a step without an optimizer.
 PRESET, SIZES = "ltx-video", {"size": "small", "frames": 33, "optimizer": None}
@@ -121,3 +121,14 @@ def test_budget_errors_name_the_argument():
     stack = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
     with pytest.raises(TypeError, match="memkit.plan_checkpointing"):
         memkit.Checkpointing(budget_bytes=2**30).apply(stack)
+
+
+def test_the_old_import_path_works_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    sys.modules.pop("memkit.optimizations.checkpoint_plan", None)
+    with pytest.warns(DeprecationWarning, match="moved to memkit.planning"):
+        old = importlib.import_module("memkit.optimizations.checkpoint_plan")
+    assert old.plan_checkpointing is memkit.plan_checkpointing and old.spread is spread
+    assert memkit.CheckpointPlan is old.CheckpointPlan
