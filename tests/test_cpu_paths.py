@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tracker import assert_equals_profiler, tracked_and_profiled
+from oracles import assert_equals_profiler, tracked_and_profiled
 
 import memkit
 from memkit.memory import track, workspace

@@ -97,9 +97,8 @@ def test_cuda_estimate_rounds_every_block_to_512_bytes():
 def test_estimate_allocates_nothing_over_its_window():
     # RSS before and after cannot see memory allocated and freed in between: measure the allocator over the
     # whole window instead. A real small Flux (and its AdamW step) would allocate hundreds of MiB.
+    from oracles import profiler_window
     from torch.profiler import ProfilerActivity, profile
-
-    from tests.test_tracker import profiler_window
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         tl = memkit.estimate("flux", size="small", optimizer="adamw", progress=False)
