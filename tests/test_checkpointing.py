@@ -12,6 +12,7 @@ def _run(model, inputs):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_same_outputs_and_gradients_with_checkpointing(preset):
     model = memkit.load_model(preset)
@@ -98,6 +99,7 @@ def _every_other(index, block):
 PATTERNS = ["all", "every:2", "skip-every:2", "first:1", "last:1", (1,), _every_other, "none"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", ["torch", "selective"])
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_every_pattern_and_provider_keeps_outputs_and_gradients(preset, provider):

@@ -25,6 +25,8 @@ from memkit.memory import track, workspace
 from memkit.memory.workspace import cpu_path as cp
 from memkit.memory.workspace import learned
 
+pytestmark = pytest.mark.slow  # one subprocess per CPU path, every preset trained on two of them (minutes)
+
 PROBE = Path(__file__).with_name("_cpu_path_probe.py")
 ALL_PRESETS = ",".join(sorted(memkit.PRESETS))
 # (id, environment, presets trained): every preset on the modelled AVX2 path and on the CPU's own path;

@@ -227,6 +227,7 @@ def _split_layers(model):
     return sum(isinstance(m, (FeedForward, FluxSingleTransformerBlock)) for m in model.modules())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", list(memkit.PRESETS))
 def test_every_tiny_preset_outputs_and_gradients_equal_unsplit_fp32(preset):
     """fp32, every split count, both modes, training step: output and every gradient within 1e-5 of its largest

@@ -67,6 +67,7 @@ def _assert_same_training(ref, model, inputs, steps: int = 3, lr: float = 1e-2):
     assert _max_diff(list(ref_state.values()), [state[k] for k in ref_state]) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", ["block", "leaf"])
 @pytest.mark.parametrize("to", ["disk", "cpu"])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -78,6 +79,7 @@ def test_outputs_and_three_training_steps_equal_the_model_in_memory(preset, to, 
         assert handle.offloader.loads > len(handle.offloader.groups)  # groups really came and went
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("preset", ["unet", "flux"])
 def test_prefetch_depths_give_the_same_training(preset, prefetch, tmp_path):

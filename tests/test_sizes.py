@@ -25,6 +25,8 @@ from oracles import assert_equals_profiler, tracked_and_profiled
 
 import memkit
 
+pytestmark = pytest.mark.slow  # every preset at six sizes in two dtypes, each against the profiler
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Frames that move a video preset's peak into the backward at its tiny default height and width

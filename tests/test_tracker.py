@@ -8,6 +8,7 @@ import memkit
 from memkit.memory import CATEGORIES, phase, tag, track
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_peak_equals_profiler_for_every_tiny_preset(preset, threads):
@@ -24,6 +25,7 @@ def test_peak_equals_profiler_for_every_tiny_preset(preset, threads):
     assert tl.end_bytes - tl.baseline_bytes == prof_end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_first_step_peak_equals_profiler_including_gradients_and_new_optimizer_state(preset):
     model = memkit.load_model(preset)
@@ -237,6 +239,7 @@ def test_peak_phase():
     assert empty.peak_phase == "other"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_peak_equals_profiler_in_bfloat16(preset):
     # bf16 takes other kernel paths (reduced-precision flash-attention buffers, casts in AdamW)
@@ -250,6 +253,7 @@ def test_peak_equals_profiler_in_bfloat16(preset):
     assert_equals_profiler(tl, prof_peak, prof_end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 2, 72, 16), (2, 4, 300, 32), (1, 2, 800, 8)])
@@ -265,6 +269,7 @@ def test_attention_kernel_buffers_equal_the_profiler(shape, dtype, threads):
     assert_equals_profiler(tl, prof_peak, prof_end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["dit", "flux"])
 def test_checkpointing_keeps_the_rng_state_it_saved(preset):
     # checkpoint() saves torch.get_rng_state() (5,056 bytes, built outside dispatch) per checkpointed block
