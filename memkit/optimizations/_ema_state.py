@@ -91,10 +91,14 @@ class EMAState:
                 f"EMA mode={cfg.mode!r}: shadows in CPU memory, unpinned"
                 + (" (parameters are on the CPU already)" if self.device.type == "cpu" else " (pinning needs CUDA)")
             )
+        on_host = host and not planned
+        # an accelerator's allocator rounds each block to 512 bytes: each shadow's view starts on such a boundary,
+        # so the one buffer takes the bytes separate shadows took (on the CPU nothing is rounded, nothing padded)
+        align = 512 if not host and (self.device.type == "cuda" or planned) else 1
         with torch.no_grad(), onloaded(originals):  # an offloaded model's real weights, not its placeholders
-            self.shadow_params: list[torch.Tensor] = [
-                self._shadow_of(p.detach(), host and not planned) for p in originals
-            ]
+            self.shadow_params: list[torch.Tensor] = _flat_shadows(
+                [p.detach() for p in originals], on_host, cfg.dtype, self._pin, align
+            )
         if (host or beside_host) and estimation is not None:
             estimation.note_host_memory("ema", self.shadow_params)
         self.optimization_step = 0
@@ -102,11 +106,6 @@ class EMAState:
         self.temp_stored_params: list[torch.Tensor] | None = None
         self._calls = 0
         self._local: tuple[list[torch.Tensor], torch.device, list[bool | None]] | None = None
-
-    def _shadow_of(self, p: torch.Tensor, host: bool) -> torch.Tensor:
-        dtype = self.config.dtype if (self.config.dtype is not None and p.is_floating_point()) else p.dtype
-        s = p.to(device="cpu" if host else p.device, dtype=dtype, copy=True)
-        return s.pin_memory() if self._pin else s
 
     # -- the schedule ---------------------------------------------------------------------------------
     def get_decay(self, optimization_step: int) -> float:
@@ -291,11 +290,15 @@ class EMAState:
         names = self.names or [f"shadow_params.{i}" for i in range(len(self.shadow_params))]
         tensors = {n: s.detach().to("cpu").contiguous() for n, s in zip(names, self.shadow_params, strict=True)}
         tensors.update({n: b.detach().to("cpu").contiguous() for n, b in self._buffers.items()})
-        split = split_torch_state_dict_into_shards(
-            tensors, filename_pattern="diffusion_pytorch_model{suffix}.safetensors", max_shard_size=max_shard_size
+        split = split_torch_state_dict_into_shards(  # sized on meta stand-ins: views of one buffer count apart
+            {k: t.to("meta") for k, t in tensors.items()},
+            filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+            max_shard_size=max_shard_size,
         )
         for filename, keys in split.filename_to_tensors.items():
-            save_file({k: tensors[k] for k in keys}, os.path.join(path, filename), metadata={"format": "pt"})
+            # safetensors refuses tensors that share a storage: a shard's views of the flat shadows are copied
+            shard = {k: tensors[k] if _alone(tensors[k]) else tensors[k].clone() for k in keys}
+            save_file(shard, os.path.join(path, filename), metadata={"format": "pt"})
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             with open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
@@ -318,3 +321,34 @@ def _diffusers_config(model: torch.nn.Module) -> dict[str, Any]:
     config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
     config = json.loads(json.dumps(config, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)))
     return {"_class_name": type(model).__name__, "_diffusers_version": __version__, **config}
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage (not a view into a larger buffer, such as the flat shadows)."""
+    return t.untyped_storage().nbytes() == t.nbytes
+
+
+def _flat_shadows(
+    params: list[torch.Tensor], host: bool, dtype: torch.dtype | None, pin: bool, align_bytes: int = 1
+) -> list[torch.Tensor]:
+    """Copies of ``params`` (on the CPU if ``host``; floating ones in ``dtype`` if given) as views of one
+    contiguous buffer per device and dtype: the update then walks one allocation (a few % faster on a CPU than
+    ~140 separate ones, measured in ``bench/ema.py``), pinned once where ``pin``. Each view starts at a multiple
+    of ``align_bytes`` (the padding, < ``align_bytes`` per shadow, is counted with them)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        to = dtype if (dtype is not None and p.is_floating_point()) else p.dtype
+        groups.setdefault((torch.device("cpu") if host else p.device, to), []).append(i)
+    out: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]  (each set below)
+    for (device, to), members in groups.items():
+        step = max(1, align_bytes // torch.empty((), dtype=to).element_size())
+        starts, end = [], 0
+        for i in members:
+            starts.append(end)
+            end += -(-params[i].numel() // step) * step
+        flat = torch.empty(end, dtype=to, device=device, pin_memory=pin)
+        for i, start in zip(members, starts, strict=True):
+            view = flat[start : start + params[i].numel()].view(params[i].shape)
+            view.copy_(params[i])
+            out[i] = view
+    return out
