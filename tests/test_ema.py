@@ -282,6 +282,7 @@ def test_estimate_for_cuda_keeps_host_shadows_off_the_gpu_peak(mode):
     assert on_cpu.peak_by_category()["ema"] == sum(shadows) and on_cpu.meta["host_bytes"] == {}
 
 
+@pytest.mark.slow
 def test_cli_full_size_flux_offload_says_how_much_leaves_the_gpu(capsys):
     import re
 
