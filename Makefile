@@ -49,6 +49,12 @@ test: $(STAMP)
 	&& { wait $$colab || { tail -50 $(COLAB_VENV).log; echo "creating $(COLAB_VENV) failed"; exit 1; }; }
 	$(MAKE) browser-test colab-test
 
+# The edit-test loop: the unit tests not marked slow (the `slow` marker, pyproject.toml: every preset trained, the
+# CPU-path subprocesses, the README), in TEST_WORKERS processes, no coverage, no notebooks. `make test` runs them all.
+.PHONY: test-fast
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not slow" -n $(TEST_WORKERS) --durations=15
+
 # The Playground in JupyterLab in headless Chromium (Playwright): notebook 06 run, a toggle changed, Run pressed,
 # the live timeline and the table checked. Needs Chromium (Debian: apt-get install chromium); skips without it.
 # MEMKIT_SCREENSHOT_DIR=notebooks/screenshots also saves the app's screenshot there.

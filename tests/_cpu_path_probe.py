@@ -10,7 +10,7 @@ import memkit
 from memkit.memory.workspace.cpu_path import cpu_path, modelled
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_tracker import tracked_and_profiled  # noqa: E402
+from oracles import tracked_and_profiled  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

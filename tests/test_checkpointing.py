@@ -12,6 +12,7 @@ def _run(model, inputs):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_same_outputs_and_gradients_with_checkpointing(preset):
     model = memkit.load_model(preset)
@@ -98,6 +99,7 @@ def _every_other(index, block):
 PATTERNS = ["all", "every:2", "skip-every:2", "first:1", "last:1", (1,), _every_other, "none"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", ["torch", "selective"])
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_every_pattern_and_provider_keeps_outputs_and_gradients(preset, provider):
@@ -235,3 +237,108 @@ def test_parse_and_names():
     assert str(memkit.Checkpointing(pattern="every:2", provider="selective")) == "checkpointing:every:2@selective"
     assert str(memkit.Checkpointing(pattern=(0, 3))) == "checkpointing:0,3"
     assert memkit.Checkpointing(pattern=[1, 2]).pattern == (1, 2)
+
+
+# ---- selective checkpointing: each op it must keep -------------------------------------------------------------
+# The ops whose outputs cost compute (matmuls, convolutions, attention): "selective" keeps their outputs and
+# recomputes the rest. Listed here from the provider's contract, not read from the module.
+KEPT_OPS = [
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+]
+
+
+def _kept_op_forward(name: str):
+    """(input, forward(x, weight), weight): ``sigmoid(name(exp(x), weight))``, aten ``name`` called once between two
+    cheap ops (their outputs are saved for the backward: the recompute must rebuild them)."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    cases = {
+        "mm": (r(4, 6), r(6, 5), lambda x, w: x @ w),
+        "addmm": (r(4, 6), r(5, 6), lambda x, w: F.linear(x, w, torch.ones(5))),
+        "bmm": (r(2, 4, 6), r(2, 6, 5), torch.bmm),
+        "baddbmm": (r(2, 4, 6), r(2, 6, 5), lambda x, w: torch.baddbmm(torch.ones(2, 4, 5), x, w)),
+        "convolution": (r(1, 2, 6, 6), r(3, 2, 3, 3), F.conv2d),
+        "_scaled_dot_product_flash_attention_for_cpu": (
+            r(1, 2, 8, 4),
+            r(1, 2, 8, 4),
+            lambda x, w: F.scaled_dot_product_attention(x, w, w * 2),
+        ),
+    }
+    x, w, fn = cases[name]
+    return x.requires_grad_(), (lambda x, w: torch.sigmoid(fn(torch.exp(x), w))), torch.nn.Parameter(w)
+
+
+class _OneOpNet(torch.nn.Module):
+    def __init__(self, fn, weight):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_OneOpBlock(fn, weight)])
+
+    def forward(self, x):
+        return self.blocks[0](x)
+
+
+class _OneOpBlock(torch.nn.Module):
+    def __init__(self, fn, weight):
+        super().__init__()
+        self.fn, self.weight = fn, weight
+
+    def forward(self, x):
+        return self.fn(x, self.weight)
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_calls(name: str, provider: str | None) -> dict[str, int]:
+    """How often ``name`` and ``exp`` run in the backward of the one-op block, checkpointed by ``provider``."""
+    x, fn, weight = _kept_op_forward(name)
+    model = _OneOpNet(fn, weight)
+    handle = memkit.Checkpointing(provider=provider).apply(model) if provider else None
+    out = model(x)
+    with _Calls() as calls:
+        out.pow(2).sum().backward()
+    if handle is not None:
+        handle.remove()
+    return {op: calls.names.count(op) for op in (name, "exp")}
+
+
+RUNNABLE_ON_CPU = KEPT_OPS[:6]
+
+
+@pytest.mark.parametrize("name", RUNNABLE_ON_CPU)
+def test_selective_keeps_the_output_of_each_costly_op(name):
+    plain = _backward_calls(name, None)
+    full = _backward_calls(name, "torch")
+    selective = _backward_calls(name, "selective")
+    assert plain["exp"] == 0
+    assert full[name] == plain[name] + 1 and full["exp"] == 1  # the block is really recomputed in the backward
+    assert selective["exp"] == 1  # ...the cheap op again under "selective"...
+    assert selective[name] == plain[name]  # ...but not the costly one: its output was kept
+
+
+@pytest.mark.parametrize("name", KEPT_OPS)
+def test_selective_policy_must_save_each_costly_op(name):
+    # the CUDA attention ops cannot run on a CPU build: the policy's answer for each is checked directly
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from memkit.optimizations.checkpointing import _selective_policy
+
+    op = getattr(torch.ops.aten, name).default
+    assert _selective_policy(None, op) == CheckpointPolicy.MUST_SAVE
+    assert _selective_policy(None, torch.ops.aten.sin.default) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -144,6 +144,7 @@ def test_the_stand_in_keeps_the_inputs_off_the_device_in_exact_bytes(stand_in):
     assert host == {"torch": 0, "offload": 4 * one_input}
 
 
+@pytest.mark.slow
 def test_an_estimate_for_cuda_moves_the_inputs_off_the_gpu_and_one_for_the_cpu_does_not():
     kw = dict(size="small", dtype=torch.bfloat16, progress=False)
     kept, host = {}, {}

@@ -77,6 +77,7 @@ def test_estimate_json_peak_equals_the_library(capsys):
     assert (result["dtype"], result["optimizer"], result["device"]) == ("bfloat16", "adamw", "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 def test_estimate_fsdp_is_the_library_s_parallel_estimate(capsys):
     argv = ["estimate", "flux", "--size", "tiny", "--fsdp", "4", "--fsdp-param-dtype", "bf16", "--json"]
@@ -175,6 +176,7 @@ def test_checkpointing_patterns_and_providers_on_the_command_line(capsys):
     assert code == 2 and "provider must be one of ['torch', 'selective', 'offload']" in err
 
 
+@pytest.mark.slow
 def test_checkpointing_auto_fits_a_budget(capsys):
     code, out, _ = _run(capsys, "estimate", "flux", "--size", "tiny", "--checkpointing", "auto", "--budget", "1GiB")
     assert code == 0 and "checkpointing auto: checkpointing:none: 0 of 2 blocks" in out and "fits" in out

@@ -5,6 +5,10 @@ from _cpu_estimate import estimate_cpu
 import memkit
 from memkit.handle import Handle
 
+pytestmark = (
+    pytest.mark.slow
+)  # compare() on the tiny presets; test_comparison_fast.py holds the same invariants on toy models
+
 
 class Perturb:
     """A deliberately wrong optimization: adds a constant to the last parameter (the output bias) while applied."""

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tracker import assert_equals_profiler, tracked_and_profiled
+from oracles import assert_equals_profiler, tracked_and_profiled
 
 import memkit
 from memkit.memory import track, workspace
 from memkit.memory.workspace import cpu_path as cp
 from memkit.memory.workspace import learned
+
+pytestmark = pytest.mark.slow  # one subprocess per CPU path, every preset trained on two of them (minutes)
 
 PROBE = Path(__file__).with_name("_cpu_path_probe.py")
 ALL_PRESETS = ",".join(sorted(memkit.PRESETS))

@@ -284,6 +284,7 @@ def test_estimate_for_cuda_keeps_host_shadows_off_the_gpu_peak(mode):
     assert on_cpu.peak_by_category()["ema"] == sum(shadows) and on_cpu.meta["host_bytes"] == {}
 
 
+@pytest.mark.slow
 def test_cli_full_size_flux_offload_says_how_much_leaves_the_gpu(capsys):
     import re
 
@@ -349,3 +350,21 @@ def test_the_compare_check_fails_when_the_shadows_differ_from_diffusers():
     row = cmp.table().loc["ema"]
     # shadows = w0 + 0.1 (w1 - w0) against diffusers' w1: 0.9 of the largest move, whatever the learning rate
     assert not row["pass"] and row["Δema / Δparam"] == pytest.approx(0.9, abs=1e-3)
+
+
+def test_shadows_are_views_of_one_buffer_counted_as_ema_to_the_byte():
+    # one contiguous buffer per dtype (the update walks one allocation): the tracker and owned() still count
+    # exactly the parameters' bytes as ema, each view holds its own parameter's values, none aliases another
+    model = memkit.load_model("flux")
+    handle = memkit.EMA(decay=0.9).apply(model)
+    shadows, params = handle.ema.shadow_params, list(model.parameters())
+    assert len({s.untyped_storage()._cdata for s in shadows}) == 1
+    assert all(torch.equal(s, p) and s.shape == p.shape for s, p in zip(shadows, params, strict=True))
+    params_bytes = sum(p.numel() * p.element_size() for p in params)
+    with memkit.track(owned=handle) as tl:
+        pass
+    assert tl.baseline_by_category["ema"] == params_bytes
+    spans = sorted((s.data_ptr(), s.data_ptr() + s.nbytes) for s in shadows if s.numel())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # disjoint
+    handle.remove()
+    assert all(torch.equal(s, p) for s, p in zip(shadows, model.parameters(), strict=True))  # the model untouched

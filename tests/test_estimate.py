@@ -21,6 +21,7 @@ def real_peak(preset: str, mode: str, optimizations=(), optimizer=None) -> memki
     return tl
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_estimate_equals_real_tracked_peak_for_every_tiny_preset(preset):
     est = estimate_cpu(preset, size="tiny")
@@ -63,6 +64,7 @@ def test_estimate_bad_input():
         estimate_cpu("flux", size="tiny", device="tpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_estimate_equals_real_tracked_peak_for_every_small_preset(preset):
     model = memkit.load_model(preset, size="small")
@@ -98,9 +100,8 @@ def test_cuda_estimate_rounds_every_block_to_512_bytes():
 def test_estimate_allocates_nothing_over_its_window():
     # RSS before and after cannot see memory allocated and freed in between: measure the allocator over the
     # whole window instead. A real small Flux (and its AdamW step) would allocate hundreds of MiB.
+    from oracles import profiler_window
     from torch.profiler import ProfilerActivity, profile
-
-    from tests.test_tracker import profiler_window
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         tl = estimate_cpu("flux", size="small", optimizer="adamw", progress=False)

@@ -228,6 +228,7 @@ def _split_layers(model):
     return sum(isinstance(m, (FeedForward, FluxSingleTransformerBlock)) for m in model.modules())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", list(memkit.PRESETS))
 def test_every_tiny_preset_outputs_and_gradients_equal_unsplit_fp32(preset):
     """fp32, every split count, both modes, training step: output and every gradient within 1e-5 of its largest
@@ -431,3 +432,60 @@ def test_cli_flag_and_report_variant():
     assert split["optimizations"] == ["ff-split:4"]
     assert split["peak_bytes"] < base["peak_bytes"]
     assert [str(o) for o in report_variants()["ff-split:4"]] == ["ff-split:4"]
+
+
+def _tiles_seen(linear: torch.nn.Linear) -> tuple[list[torch.Tensor], torch.utils.hooks.RemovableHandle]:
+    """The inputs ``linear`` is called with (its first tile is the split's first chunk)."""
+    seen: list[torch.Tensor] = []
+    return seen, linear.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7, 9])
+def test_sequence_mode_tiles_the_tokens_not_the_batch_or_the_channels(splits):
+    """Batch 3, 7 tokens, 5 channels (every axis a different length): each tile is every sample's and every
+    channel's slice of consecutive tokens, the tiles cover the tokens once in order, and outputs and gradients
+    equal the unsplit layer's. A split of the batch would give the same outputs: only the tiles show it."""
+    torch.manual_seed(3)
+    batch, tokens, dim = 3, 7, 5
+    ff = FeedForward(dim, inner_dim=12, activation_fn="gelu")
+    x = torch.randn(batch, tokens, dim)
+    y0, g0 = _run(ff, x)
+    seen, hook = _tiles_seen(ff.net[0].proj)
+    with FFSplit(splits=splits, mode="sequence").apply(ff):
+        y1, g1 = _run(ff, x)
+    hook.remove()
+    assert len(seen) == min(splits, tokens) > 1
+    assert all(t.shape[0] == batch and t.shape[2] == dim and t.shape[1] >= 1 for t in seen)
+    assert torch.equal(torch.cat(seen, dim=1), x)
+    assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_sequence_mode_tiles_a_flux_single_blocks_tokens_with_batch_two(splits):
+    """The Flux single block's MLP branch in sequence mode: batch 2, 3 text + 6 image tokens, 32 channels. Each
+    tile's activation input (rows flattened) is both samples' rows of consecutive tokens, all channels, and the
+    tiles cover the 9 tokens once in order; outputs and gradients equal the unsplit block's."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(4)
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    args = torch.randn(2, 6, 32), torch.randn(2, 3, 32), torch.randn(2, 32)
+    whole, hook = _tiles_seen(block.act_mlp)
+    r0 = _flux_single_block_run(block, *args)
+    hook.remove()
+    (whole,) = whole  # (batch, tokens, inner), unsplit
+    seen, hook = _tiles_seen(block.act_mlp)
+    with FFSplit(splits=splits, mode="sequence").apply(block):
+        r1 = _flux_single_block_run(block, *args)
+    hook.remove()
+    assert len(seen) == splits
+    start = 0
+    for tile in seen:
+        rows, inner = tile.shape
+        assert inner == whole.shape[2] and rows % 2 == 0
+        expected = whole[:, start : start + rows // 2].reshape(-1, inner)
+        assert tile.shape == expected.shape and _close(expected, tile)
+        start += rows // 2
+    assert start == whole.shape[1] == 9
+    for a, b in zip(r0, r1, strict=True):
+        assert _close(a, b)

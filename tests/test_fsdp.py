@@ -507,6 +507,7 @@ def test_a_dtensor_counts_its_local_shard_and_its_ops_their_local_outputs():
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_checkpointing_budget_is_planned_for_the_sharded_step():
     fsdp = memkit.FSDP(world_size=2)
 

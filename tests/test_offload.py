@@ -68,6 +68,7 @@ def _assert_same_training(ref, model, inputs, steps: int = 3, lr: float = 1e-2):
     assert _max_diff(list(ref_state.values()), [state[k] for k in ref_state]) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", ["block", "leaf"])
 @pytest.mark.parametrize("to", ["disk", "cpu"])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -79,6 +80,7 @@ def test_outputs_and_three_training_steps_equal_the_model_in_memory(preset, to, 
         assert handle.offloader.loads > len(handle.offloader.groups)  # groups really came and went
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("preset", ["unet", "flux"])
 def test_prefetch_depths_give_the_same_training(preset, prefetch, tmp_path):
@@ -820,3 +822,71 @@ def test_on_an_accelerator_the_mapping_is_host_memory_and_each_copy_a_parameter_
         assert tl.meta["host_peak_bytes"] >= 64 * 64 * 4  # the mapping: header and weights
     finally:
         store.close()
+
+
+class _HeldGroups:
+    """Stands between an offloader and its store: which groups are held, loaded or being read ahead, from the
+    store's own calls (``load``/``prefetch`` take a group, ``release`` gives it back)."""
+
+    def __init__(self, store):
+        self.store, self.held = store, set()
+
+    def load(self, gid):
+        self.held.add(gid)
+        return self.store.load(gid)
+
+    def prefetch(self, gid):
+        self.held.add(gid)
+        return self.store.prefetch(gid)
+
+    def release(self, gid):
+        self.held.discard(gid)
+        return self.store.release(gid)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_prefetch_k_holds_exactly_k_groups_in_flight(prefetch, tmp_path):
+    """Six blocks, one group each, from the second step (the order is learned on the first): before block 0 the
+    first k groups are being read; while block i runs, it and the k after it are held (fewer only at the end);
+    after an inference forward none. In training the backward holds block i and the k before it."""
+    model, x, n, k = _Stack(), torch.randn(4, 16), 6, prefetch
+    with Offload(to="disk", prefetch=k, path=tmp_path).apply(model) as handle:
+        spy = handle.offloader.store = _HeldGroups(handle.offloader.store)
+        gid = {id(g.modules[0]): g.gid for g in handle.offloader.groups}
+        order = [gid[id(b)] for b in model.blocks]
+        assert sorted(order) == list(range(n))
+        seen = {}
+
+        def note(key):
+            def hook(*args):
+                seen.setdefault(key, set(spy.held))  # the first call: a hook that returned it would replace values
+
+            return hook
+
+        hooks = [model.register_forward_pre_hook(note("start")), model.register_forward_hook(note("end"))]
+        for i, b in enumerate(model.blocks):
+            hooks += [b.register_forward_pre_hook(note(("fwd", i))), b.register_full_backward_hook(note(("bwd", i)))]
+
+        def groups(blocks):
+            return {order[j] for j in blocks if 0 <= j < n}
+
+        model(x.requires_grad_()).sum().backward()  # the first step learns the order
+        for training in (False, True):
+            seen.clear()
+            with torch.set_grad_enabled(training):
+                out = model(x)
+            assert seen["start"] == groups(range(k))
+            for i in range(n):
+                assert seen[("fwd", i)] == groups(range(i, i + k + 1)), (training, i)
+            if not training:
+                assert spy.held == set()
+                continue
+            assert seen["end"] == groups(range(n - 1 - k, n))
+            out.sum().backward()
+            for i in range(n):
+                assert seen[("bwd", i)] == groups(range(i - k, i + 1)), i
+        for h in hooks:
+            h.remove()

@@ -15,6 +15,7 @@ def _estimated(config) -> int:
     return estimate_cpu(PRESET, optimizations=[config], **SIZES).peak_bytes
 
 
+@pytest.mark.slow
 def test_the_chosen_pattern_fits_and_its_real_peak_is_the_prediction():
     none, every = _estimated(memkit.Checkpointing(pattern="none")), _estimated(memkit.Checkpointing())
     budget = (none + every) // 2
@@ -70,6 +71,7 @@ def _tiny_budget(estimate=estimate_cpu) -> int:
     return (none + every) // 2
 
 
+@pytest.mark.slow
 def test_checkpointing_with_a_budget_plans_for_the_estimate_it_is_given_to():
     budget = _tiny_budget()
     config = memkit.Checkpointing(budget_bytes=budget, provider="selective")
@@ -84,6 +86,7 @@ def test_checkpointing_with_a_budget_plans_for_the_estimate_it_is_given_to():
     assert bigger.meta["checkpoint_plans"] != tl.meta["checkpoint_plans"]
 
 
+@pytest.mark.slow
 def test_apply_with_a_budget_plans_on_a_fake_copy_of_the_model_and_remove_restores_it():
     # apply() plans for the model's dtype and device, and the library's step: AdamW, first and steady step
     budget = _tiny_budget(lambda *a, **k: memkit.estimate(*a, **k, **CPU_STEP))

@@ -4,6 +4,9 @@ import re
 from pathlib import Path
 
 import plotly.io as pio
+import pytest
+
+pytestmark = pytest.mark.slow  # runs the README's example as written (about a minute)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

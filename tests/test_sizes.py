@@ -8,7 +8,7 @@ gradients and kernel buffers), inference at 256 px puts it in the forward. Every
 thread, a steady step (one warm-up step first). ``test_peak_phase`` checks that each size really puts the
 peak where the case claims.
 
-Equality is `test_tracker.assert_equals_profiler`'s: to the byte, nothing flagged in
+Equality is `oracles.assert_equals_profiler`'s: to the byte, nothing flagged in
 ``meta["lower_bound_ops"]``. What it took beyond the defaults: convolutions' internal buffers (im2col columns,
 oneDNN scratch) and half-precision matmul/attention scratch on AVX-512 learned from the allocator
 (``workspace/learned.py``), and the Python numbers autograd saves (``x / 2.0``'s divisor,
@@ -21,9 +21,11 @@ import functools
 
 import pytest
 import torch
-from test_tracker import assert_equals_profiler, tracked_and_profiled
+from oracles import assert_equals_profiler, tracked_and_profiled
 
 import memkit
+
+pytestmark = pytest.mark.slow  # every preset at six sizes in two dtypes, each against the profiler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -6,6 +6,7 @@ import os
 import pickle
 import pickletools
 import random
+import re
 import types
 
 import numpy as np
@@ -653,6 +654,92 @@ def test_a_valid_snapshot_dict_holding_a_global_is_refused():
         read_snapshot(evil)
     with pytest.raises(SnapshotError, match=refused):
         load_snapshot(io.BytesIO(evil))
+
+
+# Globals that look harmless: standard-library containers and constructors, copyreg's helpers, numpy's and
+# torch's rebuilders. A snapshot needs none of them, so the reader's allow-list is empty: every one is refused.
+HARMLESS_LOOKING_GLOBALS = [
+    ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),
+    ("collections", "deque"),
+    ("collections", "Counter"),
+    ("collections", "namedtuple"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "dict"),
+    ("builtins", "list"),
+    ("builtins", "tuple"),
+    ("builtins", "bytearray"),
+    ("builtins", "bytes"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+    ("builtins", "range"),
+    ("builtins", "int"),
+    ("builtins", "float"),
+    ("builtins", "str"),
+    ("builtins", "bool"),
+    ("builtins", "object"),
+    ("builtins", "getattr"),
+    ("__builtin__", "set"),  # Python 2's name, which pickle's fix_imports maps to builtins
+    ("copyreg", "_reconstructor"),
+    ("copyreg", "__newobj__"),
+    ("copy_reg", "_reconstructor"),
+    ("datetime", "datetime"),
+    ("decimal", "Decimal"),
+    ("fractions", "Fraction"),
+    ("functools", "partial"),
+    ("operator", "itemgetter"),
+    ("types", "SimpleNamespace"),
+    ("_codecs", "encode"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("torch", "Size"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+]
+
+
+def _text(s: str) -> bytes:
+    data = s.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data  # BINUNICODE
+
+
+def _crafted_snapshot(value: bytes, protocol: int) -> bytes:
+    """``{"segments": [], "device_traces": [], "allocator_settings": {"hook": <value>}}`` written opcode by
+    opcode (nothing is pickled, so nothing runs to build it): a valid snapshot but for ``value``."""
+    return (
+        b"\x80" + bytes([protocol])
+        + b"}(" + _text("segments") + b"]" + _text("device_traces") + b"]"
+        + _text("allocator_settings") + b"}" + _text("hook") + value + b"s"
+        + b"u."
+    )  # fmt: skip
+
+
+def _global(module: str, name: str, opcode: str) -> bytes:
+    if opcode == "GLOBAL":
+        return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+    return _text(module) + _text(name) + b"\x93"  # STACK_GLOBAL (protocol 4)
+
+
+def test_the_crafted_snapshot_without_a_global_is_read():
+    # the control for the test below: the same bytes with a string in the global's place are a snapshot
+    for protocol in (2, 4):
+        tl = read_snapshot(_crafted_snapshot(_text("os.system"), protocol))
+        assert len(tl) == 0
+
+
+@pytest.mark.parametrize("opcode", ["GLOBAL", "STACK_GLOBAL"])
+@pytest.mark.parametrize(
+    ("module", "name"), HARMLESS_LOOKING_GLOBALS, ids=[f"{m}.{n}" for m, n in HARMLESS_LOOKING_GLOBALS]
+)
+def test_every_global_is_refused_even_a_harmless_looking_one(module, name, opcode):
+    raw = _crafted_snapshot(_global(module, name, opcode), 2 if opcode == "GLOBAL" else 4)
+    ops = [op.name for op, _, _ in pickletools.genops(raw)]  # parsed, not run
+    assert ops.count(opcode) == 1 and not {"GLOBAL", "STACK_GLOBAL", "REDUCE", "INST", "OBJ"} & set(ops) - {opcode}
+    refused = rf"^refused to load the global {re.escape(module)}\.{re.escape(name)}: "
+    with pytest.raises(SnapshotError, match=refused):
+        read_snapshot(raw)
+    with pytest.raises(SnapshotError, match=refused):
+        load_snapshot(io.BytesIO(raw))
 
 
 def test_refusals_say_that_nothing_was_run_and_what_a_snapshot_holds():

@@ -84,6 +84,7 @@ def test_a_first_step_that_is_the_larger_is_the_answer():
     assert tl.peak_bytes == max(first, second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["pixart", "flux"])
 def test_presets_first_and_steady_step_equal_real_steps(preset):
     def model_fn():

@@ -1,50 +1,14 @@
 """The tracker's numbers against the allocator's own, measured independently by torch.profiler."""
 
-import gc
-
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from oracles import assert_equals_profiler, tracked_and_profiled
 
 import memkit
 from memkit.memory import CATEGORIES, phase, tag, track
 
 
-def profiler_window(prof) -> tuple[int, int]:
-    """(peak, end) of the CPU allocator's bytes over the profiled window, relative to its start."""
-    events = []
-
-    def walk(nodes):
-        for n in nodes:
-            if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
-                events.append((n.start_time_ns, n.extra_fields.alloc_size))
-            walk(n.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    events.sort(key=lambda e: e[0])
-    live = peak = 0
-    for _, size in events:
-        live += size
-        peak = max(peak, live)
-    return peak, live
-
-
-def assert_equals_profiler(tl, prof_peak, prof_end):
-    """To the byte, with nothing flagged: on paths no formula models, the kernels' buffers are learned."""
-    assert tl.meta["lower_bound_ops"] == []
-    assert tl.peak_bytes - tl.baseline_bytes == prof_peak
-    assert tl.end_bytes - tl.baseline_bytes == prof_end
-
-
-def tracked_and_profiled(fn, **track_kwargs):
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with track(**track_kwargs) as tl:
-            fn()
-    return tl, profiler_window(prof)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_peak_equals_profiler_for_every_tiny_preset(preset, threads):
@@ -61,6 +25,7 @@ def test_peak_equals_profiler_for_every_tiny_preset(preset, threads):
     assert tl.end_bytes - tl.baseline_bytes == prof_end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_first_step_peak_equals_profiler_including_gradients_and_new_optimizer_state(preset):
     model = memkit.load_model(preset)
@@ -274,6 +239,7 @@ def test_peak_phase():
     assert empty.peak_phase == "other"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_peak_equals_profiler_in_bfloat16(preset):
     # bf16 takes other kernel paths (reduced-precision flash-attention buffers, casts in AdamW)
@@ -287,6 +253,7 @@ def test_peak_equals_profiler_in_bfloat16(preset):
     assert_equals_profiler(tl, prof_peak, prof_end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 2, 72, 16), (2, 4, 300, 32), (1, 2, 800, 8)])
@@ -302,6 +269,7 @@ def test_attention_kernel_buffers_equal_the_profiler(shape, dtype, threads):
     assert_equals_profiler(tl, prof_peak, prof_end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["dit", "flux"])
 def test_checkpointing_keeps_the_rng_state_it_saved(preset):
     # checkpoint() saves torch.get_rng_state() (5,056 bytes, built outside dispatch) per checkpointed block

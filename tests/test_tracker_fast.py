@@ -1,6 +1,6 @@
 """The tracker (``memkit/memory/tracker.py``) on small synthetic tensors and modules, in a few seconds: what the
 Timeline records (events, categories, phases, the baseline), when storages die, and the few byte-exact checks
-against the profiler (``tracked_and_profiled`` from ``test_tracker.py``) on tiny steps.
+against the profiler (``tracked_and_profiled`` from ``tests/oracles``) on tiny steps.
 
 Fast enough to run against every mutant (``python -m bench.mutation tracker``). Expected values come from the
 tensors' own sizes or from the profiler, never from a previous run's output.
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_tracker import assert_equals_profiler, tracked_and_profiled
+from oracles import assert_equals_profiler, tracked_and_profiled
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _get_current_dispatch_mode

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tracker import assert_equals_profiler, profiler_window, tracked_and_profiled
+from oracles import assert_equals_profiler, profiler_window, tracked_and_profiled
 from torch.profiler import ProfilerActivity, profile
 
 from memkit.memory import track, workspace

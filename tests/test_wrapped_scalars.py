@@ -6,7 +6,7 @@ backward releases the node's variables (or, with ``retain_graph=True``, until th
 
 import pytest
 import torch
-from test_tracker import tracked_and_profiled
+from oracles import tracked_and_profiled
 
 import memkit
 

@@ -328,6 +328,9 @@ def onloaded(params: nn.Module | Iterable[torch.Tensor], *, writes: bool = False
         >>> with onloaded(model):
         ...     total = sum(p.sum() for p in model.parameters())
     """
+    if not _OWNER:  # nothing is offloaded: no parameter to look up (the EMA update enters this every step)
+        yield
+        return
     if isinstance(params, nn.Module):
         params = params.parameters()
     groups: dict[int, tuple[_Offloader, _Group]] = {}
