@@ -10,11 +10,11 @@ def _deterministic_threads():
     torch.set_num_threads(threads)
 
 
-def pytest_configure(config):
-    # The learned kernel buffers' cache file (memkit/memory/workspace/learned.py) in a folder of this run: a test
-    # that learns does so here, whatever an earlier run left in the user's cache.
-    import os
-    import tempfile
+@pytest.fixture(autouse=True)
+def _own_workspace_cache(tmp_path_factory, monkeypatch):
+    """Each test has its own file of learned kernel buffers (memkit/memory/workspace/learned.py): what one test
+    learned is not on disk for the next, which may be about learning itself (a failing worker, say)."""
+    from memkit.memory.workspace import learned
 
-    if "MEMKIT_CACHE_DIR" not in os.environ:
-        os.environ["MEMKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memkit-test-cache-")
+    monkeypatch.setenv("MEMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("workspace-cache")))
+    monkeypatch.setattr(learned, "_disk", None)

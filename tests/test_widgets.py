@@ -183,6 +183,7 @@ def test_stop_ends_the_run_cleanly_and_the_next_run_works():
 
     state.estimate_size = "tiny"
     ops["n"] = 0
+    memkit.estimation.clear_cache()  # a setting estimated before in this process is answered at once: nothing to stop
     result = state.estimate(should_stop=stop_in_the_tracked_step)  # under FakeTensorMode too
     assert result.status == "stopped" and not memkit.memory.tracking()
 

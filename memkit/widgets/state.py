@@ -353,7 +353,9 @@ class PlaygroundState:
                 _store(key, tl)
             else:
                 progress.stage(f"{name}: estimated earlier in this session")
-            tl.meta.update(label=name, size=size)
+            tl.meta.update(label=name)
+            if tl.meta["cached"]:
+                live(tl)  # shown as a run's final state is
             timelines[name] = tl
         comparison = Comparison.from_timelines(timelines, mode=step.mode)
         for name, optimizations in runs.items():
