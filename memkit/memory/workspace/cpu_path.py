@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import _torch_compat as _compat
+
 # oneDNN's ISA ladder (the values ONEDNN_MAX_CPU_ISA accepts), lowest first, with the CPU flags each needs.
 ONEDNN_ISAS: dict[str, tuple[str, ...]] = {
     "SSE41": ("sse4_1",),
@@ -91,7 +93,7 @@ def cpu_path() -> CpuPath:
         names = list(ONEDNN_ISAS)
         below = [i for i in isas if names.index(i) <= names.index(limit)]
         best = below[-1] if below else "NONE"
-    amx_cpu = bool(getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)())
+    amx_cpu = _compat.amx_tile_supported()
     return CpuPath(x86=x86, aten_capability=capability, onednn_isa=best, amx=amx_cpu and "AMX" in best)
 
 
