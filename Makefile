@@ -95,10 +95,10 @@ MIN_TORCH := $(firstword $(MATRIX_TORCH))
 	touch $@
 
 test-matrix: $(foreach v,$(MATRIX_TORCH),.venv-torch-$(v)/.installed)
-	@for v in $(MATRIX_TORCH); do \
+	@failed=""; for v in $(MATRIX_TORCH); do \
 		echo "== torch $$(.venv-torch-$$v/bin/python -c 'import torch; print(torch.__version__)')"; \
-		.venv-torch-$$v/bin/python -m pytest -p no:cacheprovider -q -n $(TEST_WORKERS) $(MATRIX_TESTS) || exit 1; \
-	done
+		.venv-torch-$$v/bin/python -m pytest -p no:cacheprovider -q -n $(TEST_WORKERS) $(MATRIX_TESTS) || failed="$$failed $$v"; \
+	done; [ -z "$$failed" ] || { echo "failed under torch$$failed"; exit 1; }
 
 min-venv: .venv-torch-$(MIN_TORCH)/.installed
 
