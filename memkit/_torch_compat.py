@@ -59,8 +59,8 @@ def torch_version() -> tuple[int, int]:
 
 
 def _range_words() -> str:
-    below = f"{TORCH_BELOW[0]}.{TORCH_BELOW[1]}"
-    return f"torch {SUPPORTED} (from {TORCH_MIN[0]}.{TORCH_MIN[1]}, below {below})"
+    newest = f"{TORCH_BELOW[0]}.{TORCH_BELOW[1] - 1}"  # torch's release after 2.x is 2.(x+1)
+    return f"torch {SUPPORTED} ({TORCH_MIN[0]}.{TORCH_MIN[1]} to {newest})"
 
 
 def warn_if_unsupported() -> bool:
@@ -89,10 +89,10 @@ def require_torch(version: tuple[int, int], feature: str) -> None:
         >>> require_torch(FSDP_MIN, "memkit.FSDP")
     """
     if torch_version() < version:
+        need = f"{version[0]}.{version[1]}"
         raise RuntimeError(
-            f"{feature} needs torch >= {version[0]}.{version[1]}; this is torch {torch_version_text()} "
-            f"(memkit supports {_range_words()}, other features work here): pip install 'torch>={version[0]}."
-            f"{version[1]}'"
+            f"{feature} needs torch >= {need}; this is torch {torch_version_text()}, where memkit's other features "
+            f"work: pip install 'torch>={need},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}'"
         )
 
 
