@@ -6,6 +6,11 @@ memkit supports torch ``>=2.8,<2.15`` (:data:`SUPPORTED`, the same range as ``py
 which raises a ``RuntimeError`` naming the version instead of letting torch fail deep inside: FSDP needs 2.11
 (:data:`FSDP_MIN`, the first torch whose fake collectives run under ``FakeTensorMode``).
 
+Left as direct imports, because memkit is built on them and they have kept their names and behaviour on every
+supported torch: ``TorchDispatchMode`` and ``is_traceable_wrapper_subclass`` (``torch.utils._python_dispatch``),
+``FakeTensorMode`` and ``is_fake`` (``torch._subclasses.fake_tensor``) and ``torch.utils._pytree``; the whole test
+suite exercises them on the pin and ``make test-matrix`` on both ends of the range.
+
 This module imports torch only inside its functions, so ``import memkit`` (which calls :func:`warn_if_unsupported`)
 stays cheap.
 
