@@ -7,7 +7,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # OpenMP threads that spin while waiting make small CPU steps 10x slower on a busy machine.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: lab test browser-test colab-test lint notebooks bench clean
+.PHONY: lab test test-matrix test-min min-venv browser-test colab-test lint notebooks bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,39 @@ colab-test: $(COLAB_STAMP)
 	MEMKIT_COLAB_ENV=1 $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider tests/colab
 	MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider --nbval-lax notebooks/06_playground.ipynb
 
+# The torch version matrix (memkit/_torch_compat.py: the supported range, and which feature needs which torch): the
+# fast tests under the oldest and the newest torch pyproject.toml allows, each in its own virtualenv .venv-torch-X.Y
+# with X.Y's newest patch release from PyPI. `make test` stays on the pinned 2.13.0 (a local CPU wheel); the others
+# are CUDA builds: creating one venv downloads ~3.5 GB and takes ~4 minutes plus ~1 for the project (6.5 GB on disk),
+# once. tests/test_torch_compat.py checks that MATRIX_TORCH names the ends of the declared range.
+MATRIX_TORCH := 2.8 2.14
+MATRIX_TESTS ?= tests/test_torch_compat.py tests/test_tracker_fast.py tests/test_allocator.py tests/test_cuda.py \
+	tests/test_events.py tests/test_offload.py tests/test_cpu_paths.py tests/test_workspace_fast.py tests/test_fsdp.py
+# CI's share of it (.ci/run, beside `make test`): the shims and the features that broke on old torch (saved-tensor
+# hooks in disk offload's training, the tracker's patches, the FSDP refusal), about a minute on 2 cores.
+MIN_TESTS ?= tests/test_torch_compat.py tests/test_tracker_fast.py tests/test_allocator.py \
+	tests/test_offload.py::test_training_keeps_only_the_groups_in_use \
+	tests/test_offload.py::test_a_tracker_sees_each_mapping_as_parameter_memory_made_and_freed
+MIN_TORCH := $(firstword $(MATRIX_TORCH))
+
+.PRECIOUS: .venv-torch-%/.installed
+.venv-torch-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/python -m pip install --quiet "torch==$*.*"
+	.venv-torch-$*/bin/python -m pip install --quiet -e . "torch==$*.*" "pytest>=8" "pytest-xdist>=3" "hypothesis>=6"
+	touch $@
+
+test-matrix: $(foreach v,$(MATRIX_TORCH),.venv-torch-$(v)/.installed)
+	@failed=""; for v in $(MATRIX_TORCH); do \
+		echo "== torch $$(.venv-torch-$$v/bin/python -c 'import torch; print(torch.__version__)')"; \
+		.venv-torch-$$v/bin/python -m pytest -p no:cacheprovider -q -n $(TEST_WORKERS) $(MATRIX_TESTS) || failed="$$failed $$v"; \
+	done; [ -z "$$failed" ] || { echo "failed under torch$$failed"; exit 1; }
+
+min-venv: .venv-torch-$(MIN_TORCH)/.installed
+
+test-min: min-venv
+	.venv-torch-$(MIN_TORCH)/bin/python -m pytest -p no:cacheprovider -q -n $(TEST_WORKERS) $(MIN_TESTS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
 	$(BIN)/ruff format --check memkit tests bench
@@ -105,4 +138,4 @@ mutate: $(MUTATION_STAMP)
 	$(BIN)/python -m bench.mutation $(MODULES)
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) $(COLAB_VENV).log .pytest_cache
+	rm -rf $(VENV) $(COLAB_VENV) $(COLAB_VENV).log .venv-torch-* .pytest_cache

@@ -24,8 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._lazy import lazy_exports
+from ._torch_compat import warn_if_unsupported as _warn_if_unsupported
 
 __version__ = "0.1.0"
+
+_warn_if_unsupported()  # a torch outside the supported range: one warning naming it (torch itself is not loaded)
 
 # public name -> module that defines it (relative to memkit)
 _EXPORTS = {

@@ -18,7 +18,6 @@ estimate for ``"cuda"`` the three sharded categories are in host memory (``timel
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _torch_compat as _compat
 from .handle import Handle
 
 if TYPE_CHECKING:
@@ -46,8 +46,8 @@ def fake_process_group(world_size: int) -> Iterator[Any]:
         >>> with fake_process_group(8) as mesh:
         ...     fully_shard(model, mesh=mesh)
     """
+    _compat.register_fake_backend()  # needs torch >= 2.11: a RuntimeError naming it, before anything starts
     import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.distributed.device_mesh import init_device_mesh
 
     started = False
@@ -147,6 +147,7 @@ class FSDP:
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _compat.require_torch(_compat.FSDP_MIN, "memkit.FSDP")
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         from .optimizations.offload import _owner
@@ -240,20 +241,17 @@ def _offload_to_host(model: torch.nn.Module) -> list:
 
     def to_host(param: torch.Tensor) -> None:
         grad = param.grad
-        local = getattr(grad, "_local_tensor", None)
+        local = _compat.local_tensor(grad)
         if local is not None and in_host_state(param) and not in_host_state(local):
             with host_state():  # the device copy (FSDP's reduce-scatter output) dies with its last view
-                grad._local_tensor = local.clone()
+                _compat.set_local_tensor(grad, local.clone())
 
     # FSDP2 runs a shard's post-accumulate-grad hooks itself once its gradient is set; these come before a
     # tracker's (registered when tracking starts), so the tracker sees the host copy
     return [fp.sharded_param.register_post_accumulate_grad_hook(to_host) for fp in params]
 
 
-def _fsdp_params(module: torch.nn.Module) -> list:
-    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    group = getattr(state, "_fsdp_param_group", None) if state is not None else None
-    return list(group.fsdp_params) if group is not None else []
+_fsdp_params = _compat.fsdp_params
 
 
 @dataclass(frozen=True)
@@ -304,14 +302,14 @@ def on_local_shards(optimizer: torch.optim.Optimizer | None) -> torch.optim.Opti
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not any(isinstance(p, DTensor) for p in params):
         return optimizer
-    local = {p: p._local_tensor if isinstance(p, DTensor) else p for p in params}
+    local = {p: _compat.local_tensor(p) if isinstance(p, DTensor) else p for p in params}
     groups = [{**g, "params": [local[p] for p in g["params"]]} for g in optimizer.param_groups]
     shards = type(optimizer)(groups)  # each group carries every hyperparameter
 
     def hand_over(*_):
         for p, t in local.items():
             if t is not p:
-                t.grad = p.grad._local_tensor if p.grad is not None else None
+                t.grad = _compat.local_tensor(p.grad) if p.grad is not None else None
 
     def zero_grad(set_to_none: bool = True) -> None:
         for p, t in local.items():
@@ -337,10 +335,8 @@ def _shallow_dict(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def _restore(saved: dict[torch.nn.Module, tuple[type, dict[str, Any]]]) -> None:
-    states = sys.modules.get("torch.distributed._composable_state")
     for module, (cls, attrs) in saved.items():
         module.__dict__.clear()
         module.__dict__.update(attrs)
         module.__class__ = cls
-        if states is not None:  # FSDP's registry of module -> state refuses a module it already knows
-            states._module_state_mapping.pop(module, None)
+        _compat.forget_fsdp_state(module)

@@ -15,12 +15,15 @@ import torch.distributed as dist
 from _cpu_estimate import estimate_cpu
 
 import memkit
+from memkit import _torch_compat
 from memkit.handle import apply_all
 from memkit.memory.tracker import track
 from memkit.parallel import _blocks, sharded_order
 from memkit.step import Step, model_output
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+if _torch_compat.torch_version() < _torch_compat.FSDP_MIN:  # tests/test_torch_compat.py checks the refusal there
+    pytest.skip("memkit.FSDP needs torch >= 2.11", allow_module_level=True)
 
 PRESET = "flux"
 WORLD_SIZES = (1, 2, 4, 8)

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .. import _torch_compat as _compat
+
 __all__ = ["AllocatorWindow", "allocator_window"]
 
 
@@ -69,7 +71,6 @@ def allocator_window(device: str = "cpu") -> Iterator[AllocatorWindow]:
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     window = AllocatorWindow(device=device)
@@ -82,13 +83,7 @@ def allocator_window(device: str = "cpu") -> Iterator[AllocatorWindow]:
     finally:
         with _native_stderr_quiet():
             prof.stop()
-    events: list[tuple[int, int]] = []
-    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
-    while stack:  # depth first, in recorded order
-        node = stack.pop()
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device:
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        stack.extend(reversed(node.children))
+    events = _compat.profiler_allocations(prof, device)
     events.sort(key=lambda e: e[0])  # stable: an alloc and its free at the same instant keep their order
     live = peak = 0
     for _, size in events:

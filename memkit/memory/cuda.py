@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch_compat as _compat
 from .snapshot import read_snapshot
 from .timeline import Timeline
 
@@ -42,7 +43,7 @@ class CudaHistory:
         """Stop recording (a second call does nothing)."""
         if self.active:
             self.active = False
-            torch.cuda.memory._record_memory_history(enabled=None)
+            _compat.record_memory_history(enabled=None)
 
     def __enter__(self) -> CudaHistory:
         return self
@@ -58,12 +59,11 @@ def _cuda_history_problem() -> str | None:
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
         return f"CUDA allocator history needs a CUDA device; this torch {torch.__version__} has {build}"
-    memory = getattr(torch.cuda, "memory", None)
-    for name in ("_record_memory_history", "_snapshot"):
-        if not callable(getattr(memory, name, None)):
-            return f"this torch {torch.__version__} has no torch.cuda.memory.{name}"
-    if not hasattr(torch._C, "_cuda_record_memory_history"):
+    missing = _compat.cuda_history_missing()
+    if missing == "torch._C._cuda_record_memory_history":
         return f"this torch {torch.__version__} was built without the CUDA allocator's history"
+    if missing is not None:
+        return f"this torch {torch.__version__} has no {missing}"
     return None
 
 
@@ -96,7 +96,7 @@ def record_cuda_history(max_entries: int = 100_000, *, stacks: str = "python") -
     problem = _cuda_history_problem()
     if problem:
         raise CudaHistoryError(f"{problem}. Use memkit.track(), which measures exact storages on any device.")
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
+    _compat.record_memory_history(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
     return CudaHistory()
 
 
@@ -113,4 +113,4 @@ def cuda_snapshot(**read_kwargs: Any) -> Timeline:
     problem = _cuda_history_problem()
     if problem:
         raise CudaHistoryError(f"{problem}. Use memkit.track(), which measures exact storages on any device.")
-    return read_snapshot(torch.cuda.memory._snapshot(), **read_kwargs)
+    return read_snapshot(_compat.memory_snapshot(), **read_kwargs)

@@ -15,9 +15,9 @@ below makes the copy a GPU would make, a clone (``collective``: the all-gather's
 shard back to the host is made by ``memkit.FSDP``'s own hook (``memkit/parallel.py``).
 
 Nothing here changes what FSDP computes (a clone has the same values): while a tracker is active, four methods
-are wrapped, and restored
-when the last tracker stops. They are internals of torch 2.13: ``FSDPParam.all_gather_inputs`` (a property);
-FSDP2's ``allocate`` of communication buffers
+are wrapped, and restored when the last tracker stops. They are internals of torch 2.11-2.14, found through
+``memkit._torch_compat.fsdp_internals``: ``FSDPParam.all_gather_inputs`` (a property); FSDP2's ``allocate`` of
+communication buffers
 (what it returns is tagged ``collective``); ``FSDPParamGroup.wait_for_unshard``, the one place both the
 all-gather path and the world-size-1 copy end with every parameter of a group unsharded (tagged
 ``unsharded_parameter``); and DTensor's ``ShardingPropagator._propagate_tensor_meta_non_cached``, which runs an
@@ -30,19 +30,14 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
 
+from .. import _torch_compat as _compat
 from .tracker import _shapes_only, in_host_state, tag
 
 _saved: list[tuple[type, str, Callable]] = []
 
 
-def _unsharded_tensors(group: Any) -> list:
-    tensors = []
-    for fsdp_param in group.fsdp_params:
-        tensors += fsdp_param.all_gather_outputs
-        tensors += getattr(fsdp_param, "_unsharded_inner_tensors", [])
-    return tensors
+_unsharded_tensors = _compat.fsdp_unsharded_tensors
 
 
 def _wrap_allocate(allocate: Callable) -> Callable:
@@ -115,22 +110,16 @@ def instrument(on: bool) -> None:
     if _saved:
         return
     try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        found = _compat.fsdp_internals()
     except ImportError as e:  # another torch: tracking still works, FSDP's storages keep phase-based categories
         warnings.warn(f"memkit: FSDP2's buffers cannot be categorized with this torch ({e})", stacklevel=2)
         return
     targets = [
-        (FSDPParamGroup, "wait_for_unshard", _wrap_wait_for_unshard),
-        (ShardingPropagator, "_propagate_tensor_meta_non_cached", _wrap_shape_propagation),
-        (FSDPParam, "all_gather_inputs", _wrap_all_gather_inputs),
+        (found.group, "wait_for_unshard", _wrap_wait_for_unshard),
+        (found.propagator, "_propagate_tensor_meta_non_cached", _wrap_shape_propagation),
+        (found.param, "all_gather_inputs", _wrap_all_gather_inputs),
     ]
-    for name in ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin"):
-        cls = getattr(collectives, name, None)
-        if cls is not None and "allocate" in vars(cls):
-            targets.append((cls, "allocate", _wrap_allocate))
+    targets += [(cls, "allocate", _wrap_allocate) for cls in found.allocators]
     for cls, name, wrap in targets:
         original = vars(cls).get(name)
         if original is None:

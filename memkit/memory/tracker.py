@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from .. import _torch_compat as _compat
 from . import workspace
 from .cuda import cuda_history_available, cuda_snapshot, record_cuda_history
 from .events import ALLOC, CATEGORIES, CATEGORY_CODE, FREE, PHASE_CODE, EventLog, check_category
@@ -69,8 +70,7 @@ def _resize_seen(storage: torch.UntypedStorage, nbytes: int):
 def _watch_outside_dispatch(on: bool) -> None:
     global _get_rng_state, _storage_resize, _DTENSOR
     if on and _get_rng_state is None:
-        _get_rng_state, torch.get_rng_state = torch.get_rng_state, _rng_state_seen
-        _storage_resize, torch.UntypedStorage.resize_ = torch.UntypedStorage.resize_, _resize_seen
+        _get_rng_state, _storage_resize = _compat.swap_outside_dispatch(_rng_state_seen, _resize_seen)
         dtensor = sys.modules.get("torch.distributed.tensor")
         _DTENSOR = (dtensor.DTensor,) if dtensor is not None else ()
         if dtensor is not None:  # no DTensor (nor FSDP module) can exist unless torch.distributed.tensor is imported
@@ -78,8 +78,8 @@ def _watch_outside_dispatch(on: bool) -> None:
 
             fsdp.instrument(True)  # a torch without these FSDP2 internals: a warning, and FSDP's buffers uncategorized
     elif not on and _get_rng_state is not None:
-        torch.get_rng_state, _get_rng_state = _get_rng_state, None
-        torch.UntypedStorage.resize_, _storage_resize = _storage_resize, None
+        _compat.swap_outside_dispatch(_get_rng_state, _storage_resize)
+        _get_rng_state = _storage_resize = None
         if "memkit.memory.fsdp" in sys.modules:
             sys.modules["memkit.memory.fsdp"].instrument(False)
 
@@ -147,8 +147,7 @@ def in_host_state(t: torch.Tensor) -> bool:
     return any(k in tracker._kept for tracker in _active for k in keys)
 
 
-def _graph_task_running() -> bool:
-    return torch._C._current_graph_task_id() != -1
+_graph_task_running = _compat.graph_task_running
 
 
 class _Live:
@@ -321,7 +320,7 @@ class Tracker:
             rows.append((time.perf_counter() - self._t0, ALLOC, n, _TEMPORARY, phase, device, op, frame, key))
 
     def _reused_saved(self, args, slots: tuple[int, ...]) -> int:
-        node = torch._C._current_autograd_node()
+        node = _compat.current_autograd_node()
         seq = getattr(node, "_sequence_nr", None)
         saved = self._saved_by_node.get(seq()) if seq is not None else None
         return reused_bytes(slots, args, saved) if saved else 0

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.optim import optimizer as _optim
 
+from .. import _torch_compat as _compat
+
 if TYPE_CHECKING:
     from .offload import Offload
 
@@ -182,7 +184,7 @@ class _Offloader:
             self.offload_others()
 
     def _pack_unpack(self):
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = _compat.outer_saved_tensors_hooks()
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
         def pack(t: torch.Tensor):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import _torch_compat as _compat
+
 # oneDNN's ISA ladder (the values ONEDNN_MAX_CPU_ISA accepts), lowest first, with the CPU flags each needs.
 ONEDNN_ISAS: dict[str, tuple[str, ...]] = {
     "SSE41": ("sse4_1",),
@@ -91,7 +93,7 @@ def cpu_path() -> CpuPath:
         names = list(ONEDNN_ISAS)
         below = [i for i in isas if names.index(i) <= names.index(limit)]
         best = below[-1] if below else "NONE"
-    amx_cpu = bool(getattr(torch._C._cpu, "_is_amx_tile_supported", lambda: False)())
+    amx_cpu = _compat.amx_tile_supported()
     return CpuPath(x86=x86, aten_capability=capability, onednn_isa=best, amx=amx_cpu and "AMX" in best)
 
 
@@ -100,6 +102,8 @@ def cpu_path() -> CpuPath:
 # attention allocate oneDNN/brgemm packing buffers from AVX512_CORE up (and more with AMX); fp16 ones from
 # AVX512_CORE_FP16 (AVX10_1_512) up. Those buffers follow oneDNN's blocking (ISA, threads, cache sizes), which no
 # formula here follows: a run that meets them learns them from the allocator (learned.py), or else is a lower bound.
+# Re-checked against the profiler with torch 2.8.0 and 2.14.1 (`make test-matrix`: tests/test_cpu_paths.py,
+# tests/test_workspace_fast.py) on the AVX2 path only (an AVX2 machine); the AVX-512 and AMX paths on 2.13 only.
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv"})
 ATTENTION_OPS = frozenset(
     {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}

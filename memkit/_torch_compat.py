@@ -1,0 +1,265 @@
+"""Every private torch API memkit uses, in one place: the next torch release breaks one module, not ten.
+
+memkit supports torch ``>=2.8,<2.15`` (:data:`SUPPORTED`, the same range as ``pyproject.toml``; checked on 2.8.0,
+2.13.0 and 2.14.1). Each shim below says which torch versions it is for and has its test in
+``tests/test_torch_compat.py``. A feature that needs a newer torch than the floor asks :func:`require_torch`,
+which raises a ``RuntimeError`` naming the version instead of letting torch fail deep inside: FSDP needs 2.11
+(:data:`FSDP_MIN`, the first torch whose fake collectives run under ``FakeTensorMode``).
+
+Left as direct imports, because memkit is built on them and they have kept their names and behaviour on every
+supported torch: ``TorchDispatchMode`` and ``is_traceable_wrapper_subclass`` (``torch.utils._python_dispatch``),
+``FakeTensorMode`` and ``is_fake`` (``torch._subclasses.fake_tensor``) and ``torch.utils._pytree``; the whole test
+suite exercises them on the pin and ``make test-matrix`` on both ends of the range.
+
+This module imports torch only inside its functions, so ``import memkit`` (which calls :func:`warn_if_unsupported`)
+stays cheap.
+
+Example:
+    >>> from memkit import _torch_compat as compat
+    >>> compat.torch_version()                      # e.g. (2, 13)
+    >>> compat.require_torch(compat.FSDP_MIN, "memkit.FSDP")   # RuntimeError on torch 2.8
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+from types import SimpleNamespace
+from typing import Any
+
+TORCH_MIN = (2, 8)
+"""The oldest torch memkit supports: Colab's torch (2.8/2.9 in 2025-26) is inside, and 2.8 is the first torch with
+``_top_saved_tensors_default_hooks``, which disk offload needs in training."""
+TORCH_BELOW = (2, 15)
+"""The first torch not supported (not tested yet)."""
+SUPPORTED = ">=2.8,<2.15"
+"""The range as ``pyproject.toml`` writes it (``tests/test_torch_compat.py`` checks they agree)."""
+FSDP_MIN = (2, 11)
+"""``memkit.FSDP`` (FSDP2 on a fake process group): the fake collectives it runs under ``FakeTensorMode`` are
+registered from torch 2.11; 2.9 fails inside torch, 2.8 cannot run FSDP2 on a CPU mesh."""
+
+
+def _parse(text: str) -> tuple[int, int]:
+    """``"2.13.0+cpu"`` -> ``(2, 13)``; ``"2.16.0.dev20260101"`` -> ``(2, 16)``."""
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise ValueError(f"torch version must look like 'MAJOR.MINOR...', got {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def torch_version_text() -> str:
+    """The torch version string: ``torch.__version__`` when torch is loaded, else its installed metadata (so that
+    ``import memkit`` does not load torch)."""
+    loaded = sys.modules.get("torch")
+    version = getattr(loaded, "__version__", None)
+    return str(version) if version else metadata.version("torch")
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of this torch."""
+    return _parse(torch_version_text())
+
+
+def _range_words() -> str:
+    newest = f"{TORCH_BELOW[0]}.{TORCH_BELOW[1] - 1}"  # torch's release after 2.x is 2.(x+1)
+    return f"torch {SUPPORTED} ({TORCH_MIN[0]}.{TORCH_MIN[1]} to {newest})"
+
+
+def warn_if_unsupported() -> bool:
+    """All torch versions: warn once (``import memkit`` calls this) when this torch is outside :data:`SUPPORTED`.
+    Returns True when it warned. No torch installed: nothing (importing torch fails later with its own message)."""
+    try:
+        text = torch_version_text()
+        version = _parse(text)
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    if TORCH_MIN <= version < TORCH_BELOW:
+        return False
+    warnings.warn(
+        f"memkit supports {_range_words()}; this is torch {text}. Features may fail inside torch or measure "
+        f"wrongly: install a supported torch (pip install 'torch{SUPPORTED}').",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return True
+
+
+def require_torch(version: tuple[int, int], feature: str) -> None:
+    """All torch versions: raise a ``RuntimeError`` naming ``version`` if this torch is older.
+
+    Example:
+        >>> require_torch(FSDP_MIN, "memkit.FSDP")
+    """
+    if torch_version() < version:
+        need = f"{version[0]}.{version[1]}"
+        raise RuntimeError(
+            f"{feature} needs torch >= {need}; this is torch {torch_version_text()}, where memkit's other features "
+            f"work: pip install 'torch>={need},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}'"
+        )
+
+
+# --- autograd -----------------------------------------------------------------------------------------------------
+
+
+def graph_task_running() -> bool:
+    """torch 2.8-2.14: ``torch._C._current_graph_task_id()`` is -1 outside a backward."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
+def current_autograd_node() -> Any:
+    """torch 2.8-2.14: the autograd node whose backward runs now (``torch._C._current_autograd_node``), or None."""
+    import torch
+
+    return torch._C._current_autograd_node()
+
+
+def outer_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """torch 2.8-2.14 (added in 2.8): the (pack, unpack) of the innermost ``saved_tensors_hooks`` active now, or
+    None, without disabling them: disk offload's hooks wrap them (an outer checkpointing's, a tracker's)."""
+    import torch
+
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# --- functions the tracker replaces (calls that allocate outside dispatch) -----------------------------------------
+
+
+def swap_outside_dispatch(get_rng_state: Callable, resize: Callable) -> tuple[Callable, Callable]:
+    """torch 2.8-2.14: put ``get_rng_state`` in ``torch.get_rng_state`` and ``resize`` in
+    ``torch.UntypedStorage.resize_`` (both build or resize storages in C++, where no dispatch mode sees them);
+    returns what was there, which a second call with it puts back.
+
+    Example:
+        >>> saved = swap_outside_dispatch(my_rng, my_resize); ...; swap_outside_dispatch(*saved)
+    """
+    import torch
+
+    saved = torch.get_rng_state, torch.UntypedStorage.resize_
+    torch.get_rng_state, torch.UntypedStorage.resize_ = get_rng_state, resize
+    return saved
+
+
+# --- CPU feature probes and the profiler ---------------------------------------------------------------------------
+
+
+def amx_tile_supported() -> bool:
+    """AMX tiles usable by this CPU and OS. torch >= 2.11: ``torch.cpu._is_amx_tile_supported()`` (the
+    ``torch._C._cpu`` function moved there); torch 2.8-2.10: ``torch._C._cpu._is_amx_tile_supported()``."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if probe is None:
+        probe = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def profiler_allocations(prof: Any, device: str) -> list[tuple[int, int]]:
+    """torch 2.8-2.14: (time ns, bytes; negative for a free) of each allocator event of ``device`` in a finished
+    ``torch.profiler.profile(profile_memory=True)``, in recorded order (``kineto_results.experimental_event_tree``
+    and ``torch._C._profiler._EventType``)."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # depth first, in recorded order
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(reversed(node.children))
+    return events
+
+
+# --- the CUDA caching allocator's history (CUDA builds only) -------------------------------------------------------
+
+
+def cuda_history_missing() -> str | None:
+    """torch 2.8-2.14: the private name this build lacks for the CUDA allocator's history, or None if all exist."""
+    import torch
+
+    memory = getattr(torch.cuda, "memory", None)
+    for name in ("_record_memory_history", "_snapshot"):
+        if not callable(getattr(memory, name, None)):
+            return f"torch.cuda.memory.{name}"
+    if not hasattr(torch._C, "_cuda_record_memory_history"):
+        return "torch._C._cuda_record_memory_history"
+    return None
+
+
+def record_memory_history(**kwargs: Any) -> None:
+    """torch 2.8-2.14: ``torch.cuda.memory._record_memory_history(**kwargs)`` (``enabled=None`` stops it)."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(**kwargs)
+
+
+def memory_snapshot() -> dict:
+    """torch 2.8-2.14: ``torch.cuda.memory._snapshot()``, the allocator's segments and trace."""
+    import torch
+
+    return torch.cuda.memory._snapshot()
+
+
+# --- FSDP2 (memkit.FSDP; torch >= 2.11, see FSDP_MIN) ---------------------------------------------------------------
+
+
+def register_fake_backend() -> None:
+    """torch 2.11-2.14: register the ``"fake"`` process-group backend (``torch.testing._internal``), after
+    :func:`require_torch` for :data:`FSDP_MIN`."""
+    require_torch(FSDP_MIN, "memkit.FSDP (FSDP2 on a fake process group)")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+def fsdp_internals() -> SimpleNamespace:
+    """torch 2.11-2.14: the FSDP2 classes memkit's tracker wraps (``memkit/memory/fsdp.py``); ImportError where
+    torch has none: ``group`` (``FSDPParamGroup``), ``param`` (``FSDPParam``), ``propagator`` (DTensor's
+    ``ShardingPropagator``) and ``allocators``, the buffer-allocating mixins that define ``allocate``
+    (``DefaultAllocMixin``, ``ProcessGroupAllocMixin``, ``SymmMemAllocMixin``; those a torch lacks are left out)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    names = ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin")
+    found = [getattr(collectives, name, None) for name in names]
+    allocators = [cls for cls in found if cls is not None and "allocate" in vars(cls)]
+    return SimpleNamespace(group=FSDPParamGroup, param=FSDPParam, propagator=ShardingPropagator, allocators=allocators)
+
+
+def fsdp_params(module: Any) -> list:
+    """torch 2.11-2.14: the ``FSDPParam`` objects of a module ``fully_shard`` wrapped ([] for any other module)."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+    return list(group.fsdp_params) if group is not None else []
+
+
+def fsdp_unsharded_tensors(group: Any) -> list:
+    """torch 2.11-2.14: the unsharded parameter tensors of an ``FSDPParamGroup`` (all-gather outputs and the
+    inner tensors of tensor subclasses)."""
+    tensors = []
+    for fsdp_param in group.fsdp_params:
+        tensors += fsdp_param.all_gather_outputs
+        tensors += getattr(fsdp_param, "_unsharded_inner_tensors", [])
+    return tensors
+
+
+def forget_fsdp_state(module: Any) -> None:
+    """torch 2.11-2.14: drop ``module`` from FSDP's registry of module -> state (``torch.distributed.
+    _composable_state._module_state_mapping``), which refuses to shard a module it already knows."""
+    states = sys.modules.get("torch.distributed._composable_state")
+    if states is not None:
+        states._module_state_mapping.pop(module, None)
+
+
+def local_tensor(t: Any) -> Any:
+    """torch 2.8-2.14: a DTensor's local shard (``_local_tensor``, no autograd view), or None for another tensor."""
+    return getattr(t, "_local_tensor", None)
+
+
+def set_local_tensor(t: Any, local: Any) -> None:
+    """torch 2.8-2.14: replace a DTensor's local shard (same shape, dtype and device) in place."""
+    t._local_tensor = local
