@@ -39,6 +39,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 _PRESET_BY_CLASS = {p.model_class: p.name for p in PRESETS.values()}
+# The oldest diffusers memkit's fast tests pass on (0.35.2): every preset's model class (Wan's arrived in 0.33) and
+# the Flux single block's forward that the FF split follows (0.35); pyproject.toml declares the same floor
+# (tests/test_models.py checks they agree). offload_check.diffusers_check needs 0.41.
+DIFFUSERS_FLOOR = "0.35"
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -95,7 +99,13 @@ def load_model(
 
 
 def _build(preset: Preset, size: str, dtype: torch.dtype, seed: int, device: torch.device) -> torch.nn.Module:
-    cls = getattr(diffusers, preset.model_class)
+    cls = getattr(diffusers, preset.model_class, None)
+    if cls is None:  # a diffusers older than the one the preset's model arrived in
+        raise RuntimeError(
+            f"preset {preset.name!r} needs diffusers' {preset.model_class}, which diffusers {diffusers.__version__} "
+            f"does not have: memkit supports diffusers >= {DIFFUSERS_FLOOR} "
+            f"(pip install 'diffusers>={DIFFUSERS_FLOOR}')"
+        )
     # Construct in the target dtype and device: `module.to()` would allocate twice and fails on fake tensors.
     with _default_dtype(dtype), _forked_rng(device), device:
         torch.manual_seed(seed)

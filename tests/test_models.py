@@ -349,3 +349,25 @@ def test_train_step_names_inputs_that_do_not_fit():
         train_step(model, partial)
     with pytest.raises(TypeError, match="inputs must be a mapping"):
         train_step(model, [inputs["hidden_states"]])
+
+
+def test_the_diffusers_floor_is_declared_and_a_missing_model_class_says_so(monkeypatch):
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import diffusers
+
+    from memkit import models
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'"diffusers>=([\d.]+)"', pyproject).group(1) == models.DIFFUSERS_FLOOR
+    # as WanTransformer3DModel on diffusers 0.32: a class this diffusers does not have
+    monkeypatch.setattr(diffusers, "__version__", "0.32.2")
+    absent = dataclasses.replace(PRESETS["wan"], model_class="NoSuchTransformerModel")
+    with pytest.raises(
+        RuntimeError,
+        match=r"preset 'wan' needs diffusers' NoSuchTransformerModel, which diffusers "
+        r"0.32.2 does not have: memkit supports diffusers >= 0.35",
+    ):
+        models._build(absent, "tiny", torch.float32, 0, torch.device("cpu"))

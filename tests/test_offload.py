@@ -667,6 +667,18 @@ def test_onloaded_gives_real_values_and_offloads_again():
         assert all(g.real is None for g in handle.offloader.groups)
 
 
+def _diffusers_release() -> tuple[int, ...]:
+    import diffusers
+
+    from memkit.optimizations.offload_check import _release
+
+    return _release(diffusers.__version__)
+
+
+@pytest.mark.skipif(
+    _diffusers_release() < (0, 41),
+    reason="diffusers_check runs against diffusers >= 0.41 (older: refused, tested below)",
+)
 def test_diffusers_harness_reports_diffusers_disk_failures_and_memkit_passes():
     pytest.importorskip("accelerate", reason="diffusers' group offloading needs accelerate")
     from memkit.optimizations.offload_check import diffusers_check, table
@@ -890,3 +902,14 @@ def test_prefetch_k_holds_exactly_k_groups_in_flight(prefetch, tmp_path):
                 assert seen[("bwd", i)] == groups(range(i - k, i + 1)), i
         for h in hooks:
             h.remove()
+
+
+def test_the_diffusers_harness_refuses_a_diffusers_it_was_not_run_against(monkeypatch):
+    import diffusers
+
+    from memkit.optimizations import offload_check
+
+    monkeypatch.setattr(diffusers, "__version__", "0.40.0")
+    with pytest.raises(RuntimeError, match=r"diffusers >= 0.41 .* this is diffusers 0.40.0"):
+        offload_check.diffusers_check("flux")
+    assert offload_check._release("0.41.0.dev0") == (0, 41) >= offload_check._DIFFUSERS_CHECKED

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,15 @@ def _reference(model: nn.Module, inputs: dict) -> dict:
     return {"output": output, "grads": grads, "state": state}
 
 
+# the oldest diffusers whose group offloading this check was run against (0.40 fails inside diffusers' disk offload)
+_DIFFUSERS_CHECKED = (0, 41)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.41.0.dev0"`` -> ``(0, 41)``: the major and minor numbers of a version string."""
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+
+
 def diffusers_check(
     model: str | Callable[[], nn.Module] = "flux",
     *,
@@ -125,6 +135,15 @@ def diffusers_check(
     if any(v.startswith("diffusers") for v in variants):
         if not diffusers_available():
             raise ImportError("diffusers' group offloading needs accelerate: pip install accelerate")
+        import diffusers
+
+        if _release(diffusers.__version__) < _DIFFUSERS_CHECKED:
+            raise RuntimeError(
+                f"diffusers_check compares with diffusers' group offloading as diffusers >= 0.41 does it (disk "
+                f"offload in training fails earlier, before the rows it checks); this is diffusers "
+                f"{diffusers.__version__}: pip install 'diffusers>=0.41', or pass variants=('memkit-disk', "
+                "'memkit-disk-reused')"
+            )
         from diffusers.hooks import apply_group_offloading
     base = build(seed)
     inputs = make_inputs(base, seed=seed)
