@@ -87,15 +87,19 @@ def warn_if_unsupported() -> bool:
     return True
 
 
+class TorchVersionError(RuntimeError):
+    """A feature needs a newer torch than this one (a ``RuntimeError``, so code catching that still does)."""
+
+
 def require_torch(version: tuple[int, int], feature: str) -> None:
-    """All torch versions: raise a ``RuntimeError`` naming ``version`` if this torch is older.
+    """All torch versions: raise a :class:`TorchVersionError` naming ``version`` if this torch is older.
 
     Example:
         >>> require_torch(FSDP_MIN, "memkit.FSDP")
     """
     if torch_version() < version:
         need = f"{version[0]}.{version[1]}"
-        raise RuntimeError(
+        raise TorchVersionError(
             f"{feature} needs torch >= {need}; this is torch {torch_version_text()}, where memkit's other features "
             f"work: pip install 'torch>={need},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}'"
         )

@@ -8,6 +8,7 @@ import sys
 
 import memkit
 
+from .._torch_compat import TorchVersionError
 from ..units import UNITS, best_unit, parse_bytes
 from ._common import (
     DTYPES,
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             optimizations = [*optimizations, plan.config]
             print(f"checkpointing auto: {plan}", file=sys.stderr if args.json else sys.stdout)
         timeline = memkit.estimate(args.preset, optimizations=optimizations, **settings)
-    except ValueError as e:  # sizes that do not fit the model, an optimization the model refuses
+    except (ValueError, TorchVersionError) as e:  # sizes the model refuses, a feature this torch lacks (FSDP)
         raise CLIError(str(e)) from None
     meta = timeline.meta
     shape = {**allowed, **sizes}
