@@ -100,11 +100,28 @@ MIN_TORCH := $(firstword $(MATRIX_TORCH))
 	.venv-torch-$*/bin/python -m pip install --quiet -e . "torch==$*.*" "pytest>=8" "pytest-xdist>=3" "hypothesis>=6"
 	touch $@
 
-test-matrix: $(foreach v,$(MATRIX_TORCH),.venv-torch-$(v)/.installed)
+# The oldest diffusers pyproject.toml allows (memkit.models.DIFFUSERS_FLOOR), beside the pinned torch: the fast tests of
+# what depends on diffusers' model code (presets, estimates, the optimizations). Pure Python: about a minute to create.
+DIFFUSERS_MIN := 0.35
+DIFFUSERS_TESTS ?= tests/test_models.py tests/test_estimate.py tests/test_checkpointing.py tests/test_offload.py \
+	tests/test_feedforward.py tests/test_ema.py tests/test_step.py tests/test_categories.py
+
+.venv-diffusers-$(DIFFUSERS_MIN)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv .venv-diffusers-$(DIFFUSERS_MIN)
+	.venv-diffusers-$(DIFFUSERS_MIN)/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	.venv-diffusers-$(DIFFUSERS_MIN)/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]" \
+		"diffusers==$(DIFFUSERS_MIN).*"
+	touch $@
+
+test-matrix: $(foreach v,$(MATRIX_TORCH),.venv-torch-$(v)/.installed) .venv-diffusers-$(DIFFUSERS_MIN)/.installed
 	@failed=""; for v in $(MATRIX_TORCH); do \
 		echo "== torch $$(.venv-torch-$$v/bin/python -c 'import torch; print(torch.__version__)')"; \
-		.venv-torch-$$v/bin/python -m pytest -p no:cacheprovider -q -n $(TEST_WORKERS) $(MATRIX_TESTS) || failed="$$failed $$v"; \
-	done; [ -z "$$failed" ] || { echo "failed under torch$$failed"; exit 1; }
+		.venv-torch-$$v/bin/python -m pytest -p no:cacheprovider -q -n $(TEST_WORKERS) $(MATRIX_TESTS) || failed="$$failed torch-$$v"; \
+	done; \
+	echo "== diffusers $$(.venv-diffusers-$(DIFFUSERS_MIN)/bin/python -c 'import diffusers; print(diffusers.__version__)')"; \
+	.venv-diffusers-$(DIFFUSERS_MIN)/bin/python -m pytest -p no:cacheprovider -q -n $(TEST_WORKERS) -m "not slow" \
+		$(DIFFUSERS_TESTS) || failed="$$failed diffusers-$(DIFFUSERS_MIN)"; \
+	[ -z "$$failed" ] || { echo "failed under$$failed"; exit 1; }
 
 min-venv: .venv-torch-$(MIN_TORCH)/.installed
 
@@ -138,4 +155,4 @@ mutate: $(MUTATION_STAMP)
 	$(BIN)/python -m bench.mutation $(MODULES)
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) $(COLAB_VENV).log .venv-torch-* .pytest_cache
+	rm -rf $(VENV) $(COLAB_VENV) $(COLAB_VENV).log .venv-torch-* .venv-diffusers-* .pytest_cache

@@ -292,6 +292,10 @@ def test_the_makefile_s_matrix_runs_the_two_ends_of_the_range():
     matrix = re.search(r"^MATRIX_TORCH := (.+)$", makefile, re.M).group(1).split()
     newest = (compat.TORCH_BELOW[0], compat.TORCH_BELOW[1] - 1)  # torch's next release after 2.x is 2.(x+1)
     assert matrix == [f"{compat.TORCH_MIN[0]}.{compat.TORCH_MIN[1]}", f"{newest[0]}.{newest[1]}"]
+    # and the oldest diffusers the package declares
+    from memkit.models import DIFFUSERS_FLOOR
+
+    assert re.search(r"^DIFFUSERS_MIN := (.+)$", makefile, re.M).group(1) == DIFFUSERS_FLOOR
 
 
 def test_the_command_line_says_which_torch_fsdp_needs_without_a_traceback(capsys, monkeypatch):
