@@ -170,7 +170,10 @@ def estimate(
         refuse_group_offload(optimizations)
 
     t0 = time.perf_counter()
-    key = _cache_key(model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes)
+    key = _cache_key(
+        model=model, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype, size=size,
+        batch_size=batch_size, device=device, seed=seed, parallel=parallel, sizes=sizes,
+    )  # fmt: skip
     cached = _lookup(key, t0)
     if cached is not None:
         return cached
@@ -284,7 +287,7 @@ _RESULTS: collections.OrderedDict[tuple, Timeline] = collections.OrderedDict()
 _RESULTS_KEPT = 64
 
 
-def _cache_key(model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes):
+def _cache_key(*, model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes):
     if not isinstance(model, str) or inputs is not None:
         return None
     parts = []

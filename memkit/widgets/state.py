@@ -342,7 +342,10 @@ class PlaygroundState:
 
             model_fn.__name__ = preset  # the estimate's meta["model"]
             # the preset's estimate, as memkit.estimate(preset, ...) keeps it: a setting shown before is shown at once
-            key = _cache_key(preset, None, step, optimizations, dtype, size, batch, "cuda", seed, None, sizes)
+            key = _cache_key(
+                model=preset, inputs=None, step=step, optimizations=optimizations, dtype=dtype, size=size,
+                batch_size=batch, device="cuda", seed=seed, parallel=None, sizes=sizes,
+            )  # fmt: skip
             tl = _lookup(key, time.perf_counter())
             if tl is None:
                 tl = estimate(
