@@ -33,10 +33,12 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm.auto import tqdm
 
+from . import _memo
 from .handle import Optimization, apply_all
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
@@ -88,6 +90,7 @@ def estimate(
     seed: int = 0,
     progress: bool | None = None,
     parallel: FSDP | None = None,
+    memoize: bool = True,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -172,7 +175,7 @@ def estimate(
     t0 = time.perf_counter()
     key = _cache_key(
         model=model, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype, size=size,
-        batch_size=batch_size, device=device, seed=seed, parallel=parallel, sizes=sizes,
+        batch_size=batch_size, device=device, seed=seed, parallel=parallel, sizes=sizes, memoize=memoize,
     )  # fmt: skip
     cached = _lookup(key, t0)
     if cached is not None:
@@ -193,6 +196,63 @@ def estimate(
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
     n = step.runs
+    why_not = "memoize=False" if not memoize else _memo.unsupported(optimizations, parallel)
+    run = dict(
+        model_fn=model_fn, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype,
+        batch_size=batch_size, device=device, seed=seed, parallel=parallel, progress=progress, label=label,
+        sizes=sizes,
+    )  # fmt: skip
+    measured = None
+    if why_not is None:
+        try:
+            measured = _measure(**run, memoize=True)
+        except _memo.Unsupported as e:
+            why_not = f"the probe's events do not split into blocks: {e}"
+        else:
+            if measured is None:
+                why_not = "the model has no list of more than three identical blocks"
+    if measured is None:
+        measured = _measure(**run, memoize=False)
+    timeline, starts, params, host_bytes, disk = measured
+    first, steady = _step_peaks(timeline, step, starts)
+    timeline.meta.update(
+        estimate=True,
+        model=model if isinstance(model, str) else getattr(model, "__name__", "model"),
+        size=size if isinstance(model, str) else None,
+        mode=step.mode,
+        dtype=str(dtype).replace("torch.", ""),
+        optimizer=step.optimizer,
+        steps=n,
+        measured=step.measured,
+        step_starts=starts,
+        first_step_peak_bytes=first,
+        steady_peak_bytes=steady,
+        bytes="allocated",
+        device=device,
+        optimizations=[str(o) for o in optimizations],
+        parallel=str(parallel) if parallel is not None else None,
+        parameters=params,
+        host_bytes=host_bytes,
+        disk_bytes=disk,
+        memoized=why_not is None,
+        memo=why_not or f"spliced from a probe of {_memo.PROBE} blocks per list",
+        checkpoint_plans=[str(p) for p in plans],
+        cached=False,
+        seconds=time.perf_counter() - t0,
+    )
+    _store(key, timeline)
+    return timeline
+
+
+def _measure(
+    *, model_fn, inputs, step, optimizations, dtype, batch_size, device, seed, parallel, progress, label, sizes,
+    memoize,
+):  # fmt: skip
+    """The tracked steps of one estimate: (timeline, step starts, parameters, host bytes, disk bytes). With
+    ``memoize``, the model's block lists are cut to a probe and the timeline spliced from it (None when the model
+    has no block list to cut; :class:`memkit._memo.Unsupported` when its events do not split into blocks)."""
+    cuda = device == "cuda"
+    n = step.runs
     tracked = 2 if step.first_and_steady else 1  # the last steps of the n run
     bar = tqdm(total=n + 1, desc=f"estimate {label}", unit="stage", disable=not progress, leave=False)
     # the mesh must exist before fake mode (built inside, it fails); the process group ends with the estimate
@@ -207,6 +267,9 @@ def estimate(
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"model() must return a torch.nn.Module, got {type(net).__name__}")
+        lists = _memo.cut(net) if memoize else []
+        if memoize and not lists:
+            return None
         applied = sharded_order(optimizations, parallel, mesh) if parallel is not None else optimizations
         with apply_all(net, applied) as handle:
             kwargs = inputs(net) if inputs is not None else make_inputs(net, batch_size=batch_size, seed=seed, **sizes)
@@ -232,42 +295,53 @@ def estimate(
                 host=host,  # before the model: FSDP's offloaded shards are its parameters
                 **objects,
             ) as timeline:
-                for i in range(n - tracked, n):
-                    bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
-                    starts.append(len(timeline))
-                    runner.run(kwargs)
-                    bar.update()
+                tracker = _active_tracker()
+                tagger = _memo.Tagger(lists) if lists else None
+                if tagger is not None:
+                    tagger.install(tracker, runner.optimizer)
+                try:
+                    for i in range(n - tracked, n):
+                        bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
+                        starts.append(len(tracker.log.rows))
+                        runner.run(kwargs)
+                        bar.update()
+                finally:
+                    if tagger is not None:
+                        tagger.remove()
         params = sum(p.numel() for p in net.parameters())
+        if tagger is not None:
+            timeline, starts = _spliced(tagger, tracker, timeline, starts)
+            params = _memo.parameters(lists, params)
         # noted state (the most alive at once: gradients and optimizer state of a host optimizer come and go)
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
-    first, steady = _step_peaks(timeline, step, starts)
-    timeline.meta.update(
-        estimate=True,
-        model=model if isinstance(model, str) else getattr(model, "__name__", "model"),
-        size=size if isinstance(model, str) else None,
-        mode=step.mode,
-        dtype=str(dtype).replace("torch.", ""),
-        optimizer=step.optimizer,
-        steps=n,
-        measured=step.measured,
-        step_starts=starts,
-        first_step_peak_bytes=first,
-        steady_peak_bytes=steady,
-        bytes="allocated",
-        device=device,
-        optimizations=[str(o) for o in optimizations],
-        parallel=str(parallel) if parallel is not None else None,
-        parameters=params,
-        host_bytes=host_bytes,
-        disk_bytes=sum(plan.disk),
-        checkpoint_plans=[str(p) for p in plans],
-        cached=False,
-        seconds=time.perf_counter() - t0,
+    return timeline, starts, params, host_bytes, sum(plan.disk)
+
+
+def _active_tracker():
+    from .memory.tracker import _active
+
+    return _active[-1]
+
+
+def _spliced(tagger: _memo.Tagger, tracker, probe: Timeline, starts: list[int]) -> tuple[Timeline, list[int]]:
+    """The full model's timeline from the probe's tagged events, and where each tracked step starts in it."""
+    if probe.meta.get("host_peak_bytes") or probe.meta.get("host_state_bytes"):
+        raise _memo.Unsupported("the step keeps memory off the device")
+    rows, baseline, source = _memo.splice(tagger, list(tracker.log.rows), list(tracker.log.retags), tracker._baseline)
+    log = tracker.log
+    timeline = Timeline(
+        _memo.columns(rows),
+        baseline_by_category=baseline,
+        devices=list(log.devices.items),
+        ops=list(log.ops.items),
+        frames=list(log.frames.items),
+        meta=dict(probe.meta),
     )
-    _store(key, timeline)
-    return timeline
+    source_rows = np.asarray(source)
+    full_starts = [int(np.argmax(source_rows >= s)) if len(source_rows) else 0 for s in starts]
+    return timeline, full_starts
 
 
 def _step_peaks(timeline: Timeline, step: Step, starts: list[int]) -> tuple[int | None, int | None]:
@@ -287,7 +361,7 @@ _RESULTS: collections.OrderedDict[tuple, Timeline] = collections.OrderedDict()
 _RESULTS_KEPT = 64
 
 
-def _cache_key(*, model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes):
+def _cache_key(*, model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes, memoize):
     if not isinstance(model, str) or inputs is not None:
         return None
     parts = []
@@ -302,7 +376,19 @@ def _cache_key(*, model, inputs, step, optimizations, dtype, size, batch_size, d
             return None
         parts.append((type(o), o))
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("MEMKIT_")))
-    return (model, size, step, tuple(parts), dtype, batch_size, device, seed, tuple(sorted(sizes.items())), env)
+    return (
+        model,
+        size,
+        step,
+        tuple(parts),
+        dtype,
+        batch_size,
+        device,
+        seed,
+        tuple(sorted(sizes.items())),
+        env,
+        memoize,
+    )
 
 
 def _lookup(key: tuple | None, t0: float) -> Timeline | None:

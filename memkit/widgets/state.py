@@ -344,7 +344,7 @@ class PlaygroundState:
             # the preset's estimate, as memkit.estimate(preset, ...) keeps it: a setting shown before is shown at once
             key = _cache_key(
                 model=preset, inputs=None, step=step, optimizations=optimizations, dtype=dtype, size=size,
-                batch_size=batch, device="cuda", seed=seed, parallel=None, sizes=sizes,
+                batch_size=batch, device="cuda", seed=seed, parallel=None, sizes=sizes, memoize=True,
             )  # fmt: skip
             tl = _lookup(key, time.perf_counter())
             if tl is None:
