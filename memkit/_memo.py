@@ -41,7 +41,8 @@ from . import _torch_compat as _compat
 from .memory.events import ALLOC, COLUMNS, FREE, PHASE_CODE
 
 PROBE = 4
-"""Blocks the probe keeps of each list: the first, the middle one that stands for all middle blocks, the last."""
+"""Blocks the probe keeps of each list: the first three and the last. In the full model the first two and the
+last are the probe's own, and every other block repeats the third, whose neighbours are middle blocks too."""
 
 _FORWARD = PHASE_CODE["forward"]
 _AGG = ("aggregate",)  # an op that reads storages of several blocks at once: its event belongs to none
@@ -52,8 +53,9 @@ class Unsupported(Exception):
 
 
 def block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The ``nn.ModuleList``s of ``model`` longer than the probe whose elements are identical blocks (same class,
-    same parameter and buffer shapes and dtypes), outermost first, none inside another.
+    """The ``nn.ModuleList``s of ``model`` longer than the probe whose middle elements (all but the first and the
+    last) are identical blocks (same class, same parameter and buffer shapes and dtypes), outermost first, none
+    inside another. The first and last block may differ (SD3's last block makes no text output).
 
     Example:
         >>> [(name, len(blocks)) for name, blocks in block_lists(flux)]
@@ -75,8 +77,8 @@ def _signature(block: nn.Module) -> tuple:
 
 
 def _identical(blocks: nn.ModuleList) -> bool:
-    first = _signature(blocks[0])
-    return all(_signature(b) == first for b in blocks)
+    middle = _signature(blocks[1])
+    return all(_signature(b) == middle for b in list(blocks)[1:-1])
 
 
 def unsupported(optimizations: Sequence[Any], parallel: Any) -> str | None:
@@ -100,11 +102,11 @@ def unsupported(optimizations: Sequence[Any], parallel: Any) -> str | None:
 
 
 def cut(model: nn.Module) -> list[tuple[str, int, nn.ModuleList]]:
-    """Cut each block list of ``model`` to its first :data:`PROBE` blocks, in place; returns (name, full
-    length, the list) for each."""
+    """Cut each block list of ``model`` to its first :data:`PROBE` - 1 blocks and its last, in place; returns
+    (name, full length, the list) for each."""
     lists = [(name, len(blocks), blocks) for name, blocks in block_lists(model)]
     for _, _, blocks in lists:
-        del blocks[PROBE:]
+        del blocks[PROBE - 1 : -1]
     return lists
 
 
@@ -277,7 +279,19 @@ class Tagger:
         if row[4] == _FORWARD and self.sticky is not None:
             return self.sticky
         if row[1] == FREE:
-            return self.owner.get(row[8])
+            owner = self.owner.get(row[8])
+            op = self.op_owner
+            if (
+                op is not None
+                and op is not _AGG
+                and owner is not None
+                and op[0] == owner[0]
+                and abs(op[1] - owner[1]) == 1
+            ):
+                # the neighbour block's storage a variable held until the op that just ran for this block replaced
+                # it (a per-parameter optimizer loop): freed in this block's work
+                return op
+            return owner
         return self.out_owner.get(row[8], self.op_owner)
 
     def tag(self, row: tuple) -> None:
@@ -375,9 +389,9 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
         shapes = [
             [(tagger.base[k].nbytes, tagger.base[k].category) for k in base_of.get((li, b), [])] for b in range(PROBE)
         ]
-        if any(shape != shapes[0] for shape in shapes):
-            raise Unsupported(f"the blocks of {tagger.lists[li][0]!r} hold different state before the step")
-        for nbytes, code in shapes[0]:
+        if shapes[1] != shapes[2]:
+            raise Unsupported(f"the middle blocks of {tagger.lists[li][0]!r} hold different state before the step")
+        for nbytes, code in shapes[1]:
             out_baseline[CATEGORIES[code]] += (n - PROBE) * nbytes
 
     def token(r: int) -> tuple:
@@ -401,7 +415,7 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
 
     counter = iter(range(1, 1 << 62))
     made: dict[tuple, int] = {}  # (sweep, full block, position) or ("row", probe row) -> new key
-    base_keys: dict[tuple, int] = {}  # (probe baseline key, full block) -> new key
+    base_keys: dict[tuple, int] = {}  # (list, position in its block's, full block) -> new key
 
     def base_key(key: int, li: int, J: int) -> int:
         """The key of the baseline storage of full block J that is to its block what ``key`` is to its own."""
@@ -409,9 +423,10 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
         same = {0: 0, 1: 1, n - 2: PROBE - 2, n - 1: PROBE - 1}.get(J)
         if same is not None:
             return base_of[(li, same)][base_pos[key]]
-        got = base_keys.get((key, J))
+        slot = (li, base_pos[key], J)
+        got = base_keys.get(slot)
         if got is None:
-            got = base_keys[(key, J)] = -(1 << 40) - len(base_keys)
+            got = base_keys[slot] = -(1 << 40) - len(base_keys)
         return got
 
     def resolve(i: int, sweep: _Sweep | None, J: int | None) -> int:
@@ -596,5 +611,5 @@ def columns(rows: list[tuple]) -> dict[str, np.ndarray]:
 
 def parameters(lists: list[tuple[str, int, nn.ModuleList]], probe_parameters: int) -> int:
     """The full model's parameter count from the probe's."""
-    extra = sum((n - PROBE) * sum(p.numel() for p in blocks[0].parameters()) for _, n, blocks in lists)
+    extra = sum((n - PROBE) * sum(p.numel() for p in blocks[1].parameters()) for _, n, blocks in lists)
     return probe_parameters + extra

@@ -210,7 +210,7 @@ def estimate(
             why_not = f"the probe's events do not split into blocks: {e}"
         else:
             if measured is None:
-                why_not = "the model has no list of more than three identical blocks"
+                why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"
     if measured is None:
         measured = _measure(**run, memoize=False)
     timeline, starts, params, host_bytes, disk = measured

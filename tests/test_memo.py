@@ -1,0 +1,186 @@
+"""Block memoization: an estimate spliced from a probe of four blocks per list is byte-equal to running every block.
+
+"Byte-equal" is checked on everything a timeline holds: each event's action, bytes, category, phase, device, op
+and frame; which allocation each free pairs with (the storage keys differ, their pairing must not); the baseline
+by category; the parameter count; where each step starts; the two step peaks. Every preset is built with more
+blocks than the probe keeps (tiny widths, so each estimate takes about a second), under every setting memoization
+supports; the full-size checks (Flux, Wan, LTX-Video) are marked slow.
+"""
+
+from __future__ import annotations
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+import memkit
+from memkit import _memo
+from memkit.presets import PRESETS
+
+LAYERS = {  # more blocks per list than the probe keeps (4)
+    "flux": {"num_layers": 5, "num_single_layers": 6},
+    "sd3": {"num_layers": 5},
+    "ltx-video": {"num_layers": 5},
+    "wan": {"num_layers": 6},
+    "pixart": {"num_layers": 5},
+    "dit": {"num_layers": 5},
+}
+
+
+def deep(preset: str):
+    """A builder of the tiny preset with the blocks of ``LAYERS`` (memkit's tiny inputs)."""
+    config = dict(PRESETS[preset].configs["tiny"]) | LAYERS[preset]
+    cls = getattr(diffusers, PRESETS[preset].model_class)
+
+    def build():
+        model = cls(**config)
+        model._memkit_size = "tiny"
+        return model
+
+    build.__name__ = preset
+    return build
+
+
+def _pairs(tl: memkit.Timeline) -> list[int]:
+    """For each event: the index of the allocation a free pairs with (-1: a storage from before the window)."""
+    live: dict[int, int] = {}
+    out = []
+    for i, (action, key) in enumerate(zip(tl.column("action").tolist(), tl.column("storage").tolist(), strict=True)):
+        if key == -1:
+            out.append(-2)
+        elif action == 0:
+            live[key] = i
+            out.append(-3)
+        else:
+            out.append(live.pop(key, -1))
+    return out
+
+
+def assert_same(memo: memkit.Timeline, slow: memkit.Timeline) -> None:
+    assert memo.meta["memoized"], memo.meta["memo"]
+    assert not slow.meta["memoized"]
+    assert len(memo) == len(slow)
+    for name in ("action", "bytes", "category", "phase", "device", "op", "frame"):
+        a, b = memo.column(name), slow.column(name)
+        assert np.array_equal(a, b), f"column {name!r} differs first at event {int(np.argmax(a != b))}"
+    assert (memo.ops, memo.devices) == (slow.ops, slow.devices)
+    assert _pairs(memo) == _pairs(slow)
+    assert memo.baseline_by_category == slow.baseline_by_category
+    for key in ("parameters", "step_starts", "first_step_peak_bytes", "steady_peak_bytes", "host_bytes"):
+        assert memo.meta[key] == slow.meta[key], key
+    assert memo.peak_bytes == slow.peak_bytes
+
+
+def both(model, **kwargs) -> tuple[memkit.Timeline, memkit.Timeline]:
+    kwargs.setdefault("progress", False)
+    return memkit.estimate(model, **kwargs), memkit.estimate(model, memoize=False, **kwargs)
+
+
+@pytest.mark.parametrize("preset", sorted(LAYERS))
+def test_every_preset_default_step(preset):
+    # bf16 AdamW on "cuda", first and steady step: the default every user sees
+    assert_same(*both(deep(preset)))
+
+
+SETTINGS = {
+    "checkpointing": dict(optimizations=[memkit.Checkpointing()]),
+    "selective": dict(optimizations=[memkit.Checkpointing(provider="selective")]),
+    "ff-split": dict(optimizations=[memkit.FFSplit(splits=2)]),
+    "ff-sequence": dict(optimizations=[memkit.FFSplit(splits=2, mode="sequence")]),
+    "both": dict(optimizations=[memkit.Checkpointing(), memkit.FFSplit(splits=2)]),
+    "sgd-3-steps": dict(optimizer="sgd", steps=3),
+    "no-optimizer": dict(optimizer=None),
+    "first-step": dict(steps=1),
+    "inference": dict(mode="inference"),
+    "fp32-cpu": dict(device="cpu", dtype=torch.float32, optimizer="adam"),
+    "batch-2": dict(batch_size=2),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("preset", ["flux", "wan", "ltx-video"])
+def test_every_setting(preset, setting):
+    assert_same(*both(deep(preset), **SETTINGS[setting]))
+
+
+@pytest.mark.parametrize("preset", ["sd3", "pixart", "dit"])
+@pytest.mark.parametrize("setting", ["checkpointing", "ff-split", "inference"])
+def test_other_presets_settings(preset, setting):
+    assert_same(*both(deep(preset), **SETTINGS[setting]))
+
+
+def test_memoized_estimate_runs_only_the_probe():
+    """The probe keeps four blocks per list: the tracker sees fewer events than the timeline holds."""
+    seen = []
+    real = _memo.splice
+
+    def spy(tagger, rows, retags, baseline):
+        seen.append((len(rows), [len(blocks) for _, _, blocks in tagger.lists], [n for _, n, _ in tagger.lists]))
+        return real(tagger, rows, retags, baseline)
+
+    _memo.splice = spy
+    try:
+        tl = memkit.estimate(deep("flux"), progress=False)
+    finally:
+        _memo.splice = real
+    [(probe_events, kept, full)] = seen
+    assert kept == [4, 4] and full == [5, 6]
+    assert probe_events < len(tl)
+    assert tl.meta["memo"].startswith("spliced")
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(optimizations=[memkit.Checkpointing(pattern="every:2")]), "checkpoints some blocks"),
+        (dict(optimizations=[memkit.EMA()]), "EMA is not memoized"),
+        (dict(memoize=False), "memoize=False"),
+    ],
+)
+def test_what_is_not_memoized_says_why(kwargs, reason):
+    tl = memkit.estimate(deep("flux"), progress=False, **kwargs)
+    assert tl.meta["memoized"] is False
+    assert reason in tl.meta["memo"]
+
+
+def test_a_model_without_block_lists_runs_every_block():
+    tl = memkit.estimate("unet", size="tiny", progress=False)
+    assert tl.meta["memoized"] is False
+    assert "no list" in tl.meta["memo"]
+
+
+def test_block_lists_need_identical_blocks():
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(5)])
+    assert _memo.block_lists(torch.nn.Sequential(blocks)) == [("0", blocks)]
+    blocks[2] = torch.nn.Linear(4, 4, bias=False)
+    assert _memo.block_lists(torch.nn.Sequential(blocks)) == []
+    short = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(4)])  # no more blocks than the probe keeps
+    assert _memo.block_lists(torch.nn.Sequential(short)) == []
+
+
+def test_a_probe_that_does_not_split_falls_back(monkeypatch):
+    """Events the splice cannot place make the estimate run every block, saying so: never a wrong number."""
+
+    def refuse(*args, **kwargs):
+        raise _memo.Unsupported("test refusal")
+
+    monkeypatch.setattr(_memo, "splice", refuse)
+    memo = memkit.estimate(deep("wan"), progress=False)
+    slow = memkit.estimate(deep("wan"), progress=False, memoize=False)
+    assert memo.meta["memoized"] is False and "test refusal" in memo.meta["memo"]
+    assert np.array_equal(memo.column("bytes"), slow.column("bytes"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "preset, kwargs",
+    [
+        ("flux", {}),
+        ("flux", dict(optimizations=[memkit.Checkpointing()])),
+        ("wan", dict(optimizations=[memkit.FFSplit(splits=4)])),
+        ("ltx-video", dict(optimizations=[memkit.Checkpointing(provider="selective"), memkit.FFSplit(splits=2)])),
+    ],
+)
+def test_full_size(preset, kwargs):
+    assert_same(*both(preset, **kwargs))
