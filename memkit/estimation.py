@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from . import _memo
 from .handle import Optimization, apply_all
+from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
 from .memory.timeline import Timeline
@@ -246,7 +247,7 @@ def estimate(
 
 def _measure(
     *, model_fn, inputs, step, optimizations, dtype, batch_size, device, seed, parallel, progress, label, sizes,
-    memoize,
+    memoize, fake_cache=True,
 ):  # fmt: skip
     """The tracked steps of one estimate: (timeline, step starts, parameters, host bytes, disk bytes). With
     ``memoize``, the model's block lists are cut to a probe and the timeline spliced from it (None when the model
@@ -296,6 +297,8 @@ def _measure(
                 **objects,
             ) as timeline:
                 tracker = _active_tracker()
+                if fake_cache:
+                    tracker.fake = FakeDispatchCache()
                 tagger = _memo.Tagger(lists) if lists else None
                 if tagger is not None:
                     tagger.install(tracker, runner.optimizer)
