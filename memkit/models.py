@@ -29,7 +29,8 @@ import diffusers
 import huggingface_hub
 import safetensors.torch
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .presets import PRESETS, SIZES, Preset, _Maker
 
@@ -107,7 +108,10 @@ def _build(preset: Preset, size: str, dtype: torch.dtype, seed: int, device: tor
             f"(pip install 'diffusers>={DIFFUSERS_FLOOR}')"
         )
     # Construct in the target dtype and device: `module.to()` would allocate twice and fails on fake tensors.
-    with _default_dtype(dtype), _forked_rng(device), device:
+    # Fake tensors hold no values: drawing the initial weights of a fake model only costs time (~1 s for Flux).
+    fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+    skip_init = getattr(diffusers.models.modeling_utils, "no_init_weights", None) if fake else None
+    with _default_dtype(dtype), _forked_rng(device), device, skip_init() if skip_init else contextlib.nullcontext():
         torch.manual_seed(seed)
         model = cls(**preset.configs[size])
         _fill_zero_parameters(model)

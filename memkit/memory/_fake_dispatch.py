@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch.utils._mode_utils import no_dispatch
 
 _DEVICE = torch.ops.prim.device.default
+_ITEM = torch.ops.aten._local_scalar_dense.default
 _SKIP_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
@@ -73,6 +75,8 @@ class FakeDispatchCache:
             schema = func._schema
             if func is _DEVICE:
                 kind = 4
+            elif func is _ITEM:
+                kind = 5
             elif (
                 func.namespace == "aten"
                 and func is not torch.ops.aten._unsafe_view.default  # returns a view its schema does not declare
@@ -96,6 +100,12 @@ class FakeDispatchCache:
         if kind == 4:  # the device a fake tensor stands for: asked for by autograd for every op
             (t,) = args
             return t.fake_device if isinstance(t, FakeTensor) and not kwargs else func(*args, **kwargs)
+        if kind == 5:  # .item() of a constant (Adam's step count): fake dispatch reads the value it propagated
+            (t,) = args
+            if isinstance(t, FakeTensor) and t.constant is not None and not kwargs:
+                with no_dispatch():
+                    return t.constant.item()
+            return func(*args, **kwargs)
         try:
             key = (id(func), _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
         except _Bypass:
