@@ -29,6 +29,7 @@ BENCHMARKS: tuple[str, ...] = (
     "tracking_overhead",
     "learned_workspace",
     "estimate_full",
+    "estimate_speed",
     "snapshot_load",
     "ema",
     "feedforward",

@@ -1,0 +1,104 @@
+"""FakeDispatchCache gives the outputs fake dispatch gives, so estimates are byte-equal with it on and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import memkit
+import memkit.estimation as estimation
+from memkit.memory._fake_dispatch import FakeDispatchCache
+
+aten = torch.ops.aten
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes())
+
+
+@pytest.fixture
+def fake():
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+def test_new_tensors_match_fake_dispatch_and_are_fresh(fake):
+    cache = FakeDispatchCache()
+    a, b = torch.empty(8, 16), torch.empty(16, 4).t().contiguous().t()  # b: column-major
+    first = cache(aten.mm.default, (a, b), {})
+    again = cache(aten.mm.default, (a, b), {})
+    assert cache.hits == 1
+    assert isinstance(again, FakeTensor) and _meta(again) == _meta(first) == _meta(aten.mm.default(a, b))
+    assert again.untyped_storage()._cdata != first.untyped_storage()._cdata
+
+
+def test_views_share_their_base_storage(fake):
+    cache = FakeDispatchCache()
+    x = torch.empty(6, 10)
+    cache(aten.slice.Tensor, (x, 1, 2, 8), {})
+    view = cache(aten.slice.Tensor, (x, 1, 2, 8), {})
+    assert cache.hits == 1
+    assert view.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert _meta(view) == _meta(x[:, 2:8])
+    parts = cache(aten.split.Tensor, (x, 3), {}), cache(aten.split.Tensor, (x, 3), {})
+    assert [_meta(p) for p in parts[1]] == [_meta(p) for p in x.split(3)]
+
+
+def test_in_place_ops_return_their_argument(fake):
+    cache = FakeDispatchCache()
+    x, y = torch.empty(4), torch.empty(4)
+    assert cache(aten.add_.Tensor, (x, y), {}) is x
+    assert cache(aten.add_.Tensor, (x, y), {}) is x and cache.hits == 1
+    xs = [torch.empty(3), torch.empty(5)]
+    assert cache(aten._foreach_mul_.Scalar, (xs, 0.5), {}) is None
+    assert cache(aten._foreach_mul_.Scalar, (xs, 0.5), {}) is None and cache.hits == 2
+
+
+def test_scalars_are_keyed_by_type(fake):
+    # an int tensor times 2 stays int, times 2.0 becomes float: the key must tell 2 from 2.0
+    cache = FakeDispatchCache()
+    n = torch.empty(3, dtype=torch.int64)
+    assert cache(aten.mul.Scalar, (n, 2), {}).dtype == torch.int64
+    assert cache(aten.mul.Scalar, (n, 2.0), {}).dtype == torch.float32
+
+
+def test_unsafe_view_and_constants_always_dispatch(fake):
+    cache = FakeDispatchCache()
+    x = torch.empty(4, 6)
+    for _ in range(2):
+        out = cache(aten._unsafe_view.default, (x, [24]), {})
+        assert out.untyped_storage()._cdata == x.untyped_storage()._cdata  # what fake dispatch returns: a view
+    c = torch.tensor(3.0)  # a constant: fake tensors propagate its value for .item()
+    for _ in range(2):
+        assert cache(aten.mul.Tensor, (c, c), {}).constant is not None
+    assert cache.hits == 0
+    assert cache(aten._local_scalar_dense.default, (torch.tensor(2.5),), {}) == 2.5
+
+
+SETTINGS = [
+    ("flux", dict(optimizations=[memkit.Checkpointing()])),
+    ("flux", dict(optimizations=[memkit.Checkpointing(provider="selective")], mode="training", steps=3)),
+    ("ltx-video", dict(optimizations=[memkit.FFSplit(splits=2)])),
+    ("wan", dict(optimizations=[memkit.EMA()])),
+    ("wan", dict(optimizations=[memkit.Offload(group="block")])),
+    ("pixart", dict(mode="inference")),
+    ("sd3", dict(device="cpu", dtype=torch.float32, optimizer="sgd")),
+    ("unet", {}),
+    ("dit", dict(optimizer=None)),
+]
+
+
+@pytest.mark.parametrize("preset, kwargs", SETTINGS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(SETTINGS)])
+def test_estimates_are_byte_equal_with_and_without_it(preset, kwargs, monkeypatch):
+    on = memkit.estimate(preset, size="tiny", progress=False, memoize=False, **kwargs)
+    estimation.clear_cache()  # else the second estimate is the first's cached copy
+    monkeypatch.setattr(estimation, "FakeDispatchCache", lambda: None)  # every op through FakeTensorMode
+    off = memkit.estimate(preset, size="tiny", progress=False, memoize=False, **kwargs)
+    assert len(on) == len(off)
+    for name in ("action", "bytes", "category", "phase", "device", "op"):
+        assert np.array_equal(on.column(name), off.column(name)), name
+    assert on.baseline_by_category == off.baseline_by_category
+    assert on.meta["host_bytes"] == off.meta["host_bytes"]
+    assert off.meta["cached"] is False
