@@ -86,8 +86,8 @@ def unsupported(optimizations: Sequence[Any], parallel: Any) -> str | None:
     from .optimizations.checkpointing import Checkpointing
     from .optimizations.feedforward import FFSplit
 
-    if parallel is not None:
-        return "FSDP shards and gathers per block with state of its own"
+    if parallel is not None:  # its all-gathers and frees run in hooks around the blocks: not tagged yet
+        return "FSDP gathers and frees each block's parameters in hooks the probe does not place yet"
     for o in optimizations:
         if isinstance(o, FFSplit):
             continue
@@ -187,21 +187,26 @@ class Tagger:
         self.handles.clear()
 
     def _owned_tensors(self, optimizer) -> dict[int, tuple[int, int]]:
+        from .memory.tracker import _plain  # a DTensor's memory is its local shard's
+
+        def storages(t: torch.Tensor) -> list[int]:
+            return [inner.untyped_storage()._cdata for inner in _plain(t)]
+
         keys = {}
         for li, (_, _, blocks) in enumerate(self.lists):
             for b, block in enumerate(blocks):
                 for t in (*block.parameters(), *block.buffers()):
-                    keys[t.untyped_storage()._cdata] = (li, b)
+                    keys.update(dict.fromkeys(storages(t), (li, b)))
                     grad = getattr(t, "grad", None)
                     if grad is not None:
-                        keys[grad.untyped_storage()._cdata] = (li, b)
+                        keys.update(dict.fromkeys(storages(grad), (li, b)))
         if optimizer is not None:
             for p, state in optimizer.state.items():
                 owner = self.tensor_owner.get(id(p))
                 if owner is not None:
                     for v in state.values():
                         if isinstance(v, torch.Tensor):
-                            keys[v.untyped_storage()._cdata] = owner
+                            keys.update(dict.fromkeys(storages(v), owner))
         return keys
 
     # ---- hooks ----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def deep(preset: str):
 
     def build():
         model = cls(**config)
-        model._memkit_size = "tiny"
+        model._memkit_preset, model._memkit_size = preset, "tiny"
         return model
 
     build.__name__ = preset
