@@ -210,8 +210,12 @@ def estimate(
     )  # fmt: skip
     measured = None
     if why_not is None:
+        probe = _memo.probe_builder(PRESETS[model], size, dtype, seed) if isinstance(model, str) else None
         try:
-            measured = _measure(**run, memoize=True)
+            if probe is not None:  # the preset built with four blocks per list: no full model to cut
+                measured = _measure(**{**run, "model_fn": probe[0]}, memoize=True, lengths=probe[1])
+            else:
+                measured = _measure(**run, memoize=True)
         except _memo.Unsupported as e:
             why_not = f"the probe's events do not split into blocks: {e}"
         else:
@@ -252,7 +256,7 @@ def estimate(
 
 def _measure(
     *, model_fn, inputs, step, optimizations, dtype, batch_size, device, seed, parallel, progress, label, sizes,
-    memoize, fake_cache=True,
+    memoize, fake_cache=True, lengths=None,
 ):  # fmt: skip
     """The tracked steps of one estimate: (timeline, step starts, parameters, host bytes, disk bytes). With
     ``memoize``, the model's block lists are cut to a probe and the timeline spliced from it (None when the model
@@ -273,7 +277,7 @@ def _measure(
         net = model_fn()
         if not isinstance(net, torch.nn.Module):
             raise TypeError(f"model() must return a torch.nn.Module, got {type(net).__name__}")
-        lists = _memo.cut(net) if memoize else []
+        lists = _memo.cut(net, lengths) if memoize else []
         if memoize and not lists:
             return None
         applied = sharded_order(optimizations, parallel, mesh) if parallel is not None else optimizations

@@ -184,3 +184,20 @@ def test_a_probe_that_does_not_split_falls_back(monkeypatch):
 )
 def test_full_size(preset, kwargs):
     assert_same(*both(preset, **kwargs))
+
+
+@pytest.mark.parametrize("preset", ["wan", "ltx-video", "pixart", "dit"])
+def test_a_preset_builds_its_probe_directly(preset, monkeypatch):
+    """A preset's probe is built with four blocks per list (not built whole and cut): byte-equal all the same."""
+    built = []
+    real = _memo.cut
+
+    def spy(model, lengths=None):
+        built.append((lengths, [len(b) for _, _, b in real(model, lengths)] if lengths else None))
+        return real(model, lengths)
+
+    monkeypatch.setattr(_memo, "cut", spy)
+    memo, slow = both(preset, size="small")
+    monkeypatch.undo()
+    assert built and built[0][0] and set(built[0][1]) == {4}
+    assert_same(memo, slow)
