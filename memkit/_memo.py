@@ -44,7 +44,7 @@ PROBE = 4
 """Blocks the probe keeps of each list: the first three and the last. In the full model the first two and the
 last are the probe's own, and every other block repeats the third, whose neighbours are middle blocks too."""
 
-_FORWARD = PHASE_CODE["forward"]
+_FORWARD, _OTHER = PHASE_CODE["forward"], PHASE_CODE["other"]
 _AGG = ("aggregate",)  # an op that reads storages of several blocks at once: its event belongs to none
 
 
@@ -86,7 +86,7 @@ def unsupported(optimizations: Sequence[Any], parallel: Any) -> str | None:
     from .optimizations.checkpointing import Checkpointing
     from .optimizations.feedforward import FFSplit
 
-    if parallel is not None:  # its all-gathers and frees run in hooks around the blocks: not tagged yet
+    if parallel is not None:  # its hooks gather and free around the blocks: spliced, FSDP's peak came out wrong
         return "FSDP gathers and frees each block's parameters in hooks the probe does not place yet"
     for o in optimizations:
         if isinstance(o, FFSplit):
@@ -335,7 +335,7 @@ class Tagger:
             if type(node).__name__ == "AccumulateGrad":
                 return self.tensor_owner.get(id(node.variable))
             return self.node.get(node._sequence_nr())
-        if row[4] == _FORWARD and self.sticky is not None:
+        if row[4] == _FORWARD:  # between blocks: the block before; after the last one, outside the blocks
             return self.sticky
         if row[1] == FREE:
             owner = self.owner.get(row[8])
@@ -410,8 +410,11 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
         order: list[int] = []
         j = i
         while j < len(rows) and tags[j] is not None and tags[j] is not _AGG and tags[j][0] == li:
-            if rows[j][4] != phase:
-                break
+            if rows[j][4] != _OTHER:  # FSDP's hooks gather and free between a block's forward events
+                if phase == _OTHER:
+                    phase = rows[j][4]
+                elif rows[j][4] != phase:
+                    break
             b = tags[j][1]
             if order and order[-1] != b and b in order:  # the next sweep begins
                 last = runs[order[-1]]
@@ -431,10 +434,10 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
             runs[b].append(j)
             j += 1
         order = [b for b in order if runs[b]]
-        if len(order) > 1 and order not in (_UP, _DOWN):
-            raise Unsupported(f"events {i}-{j} go through blocks {order} of list {tagger.lists[li][0]!r}")
         if len(order) == 1 and order[0] not in (0, PROBE - 1):
             raise Unsupported(f"events {i}-{j} belong to block {order[0]} of {tagger.lists[li][0]!r} alone")
+        if len(order) > 1 and order not in (_UP, _DOWN):
+            raise Unsupported(f"events {i}-{j} go through blocks {order} of list {tagger.lists[li][0]!r}")
         sweeps.append(_Sweep(li, i, runs, order, full[li]))
         i = j
 
@@ -522,7 +525,7 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
         at = sweeps[s]
         ab = tags[a][1]
         target = J + (ab - role) if sweep is not None and at.li == sweep.li else at.absolute(ab)
-        if target is None or not 0 <= target < at.n:
+        if not 0 <= target < at.n:
             raise Unsupported(f"event {i} frees a storage of a middle block from outside its list's blocks")
         got = made.get((s, target, same_event(at.runs, ab, at.role(target), pos_of[a])))
         if got is None:
@@ -592,19 +595,16 @@ class _Sweep:
     def repeated(self, J: int) -> bool:
         return not self.lone and 2 <= self.position(J) < self.n - 1 and self.n - PROBE > 0
 
-    def absolute(self, b: int) -> int | None:
-        """The full block that probe block b is in this sweep (None: the repeated one)."""
-        if self.lone:
-            return 0 if b == 0 else self.n - 1
-        p = self.order.index(b)
-        if p == 2:
-            return None
-        p = self.n - 1 if p == PROBE - 1 else p
-        return self.n - 1 - p if self.down else p
+    def absolute(self, b: int) -> int:
+        """The full block probe block b stands for outside its sweep: the first and the last block only (a middle
+        block's events stand for many)."""
+        if b not in (0, PROBE - 1):
+            raise Unsupported(f"an event outside list {self.li}'s sweeps uses its middle block {b}")
+        return 0 if b == 0 else self.n - 1
 
     def blocks(self) -> range:
         if self.lone:
-            J = 0 if self.order[0] == 0 else self.n - 1
+            J = self.absolute(self.order[0])
             return range(J, J + 1)
         return range(self.n - 1, -1, -1) if self.down else range(self.n)
 

@@ -136,6 +136,8 @@ def test_memoized_estimate_runs_only_the_probe():
         (dict(optimizations=[memkit.Checkpointing(pattern="every:2")]), "checkpoints some blocks"),
         (dict(optimizations=[memkit.EMA()]), "EMA is not memoized"),
         (dict(memoize=False), "memoize=False"),
+        # spliced like the rest, FSDP's peak came out wrong (its hooks gather and free around the blocks): refused
+        (dict(parallel=memkit.FSDP(world_size=2)), "FSDP gathers"),
     ],
 )
 def test_what_is_not_memoized_says_why(kwargs, reason):
