@@ -8,7 +8,7 @@ clock starts (the import itself, ~2 s, is reported apart):
   ``memoize=False``, ``FakeDispatchCache`` off);
 - **no memo**: every block run, ops through the fake-dispatch cache (``memoize=False``: the path settings that
   are not memoized take);
-- **memoized**: the default (a probe of four blocks per list, its events spliced).
+- **memoized**: the default (a probe of four blocks per list, its events spliced: `memkit/_memo.py`, `memkit/_splice.py`).
 
 For the memoized path, "first" is the first estimate of the process, "new setting" a second estimate with another
 setting (``Checkpointing()``) in the same warm process, "same again" the first setting asked again (answered from

@@ -38,7 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm.auto import tqdm
 
-from . import _memo
+from . import _memo, _splice
 from .handle import Optimization, apply_all
 from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
@@ -341,10 +341,10 @@ def _spliced(tagger: _memo.Tagger, tracker, probe: Timeline, starts: list[int]) 
     """The full model's timeline from the probe's tagged events, and where each tracked step starts in it."""
     if probe.meta.get("host_peak_bytes") or probe.meta.get("host_state_bytes"):
         raise _memo.Unsupported("the step keeps memory off the device")
-    rows, baseline, source = _memo.splice(tagger, list(tracker.log.rows), list(tracker.log.retags), tracker._baseline)
+    rows, baseline, source = _splice.splice(tagger, list(tracker.log.rows), list(tracker.log.retags), tracker._baseline)
     log = tracker.log
     timeline = Timeline(
-        _memo.columns(rows),
+        _splice.columns(rows),
         baseline_by_category=baseline,
         devices=list(log.devices.items),
         ops=list(log.ops.items),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import memkit
-from memkit import _memo
+from memkit import _memo, _splice
 from memkit.presets import PRESETS
 
 LAYERS = {  # more blocks per list than the probe keeps (4)
@@ -113,17 +113,17 @@ def test_other_presets_settings(preset, setting):
 def test_memoized_estimate_runs_only_the_probe():
     """The probe keeps four blocks per list: the tracker sees fewer events than the timeline holds."""
     seen = []
-    real = _memo.splice
+    real = _splice.splice
 
     def spy(tagger, rows, retags, baseline):
         seen.append((len(rows), [len(blocks) for _, _, blocks in tagger.lists], [n for _, n, _ in tagger.lists]))
         return real(tagger, rows, retags, baseline)
 
-    _memo.splice = spy
+    _splice.splice = spy
     try:
         tl = memkit.estimate(deep("flux"), progress=False)
     finally:
-        _memo.splice = real
+        _splice.splice = real
     [(probe_events, kept, full)] = seen
     assert kept == [4, 4] and full == [5, 6]
     assert probe_events < len(tl)
@@ -167,7 +167,7 @@ def test_a_probe_that_does_not_split_falls_back(monkeypatch):
     def refuse(*args, **kwargs):
         raise _memo.Unsupported("test refusal")
 
-    monkeypatch.setattr(_memo, "splice", refuse)
+    monkeypatch.setattr(_splice, "splice", refuse)
     memo = memkit.estimate(deep("wan"), progress=False)
     slow = memkit.estimate(deep("wan"), progress=False, memoize=False)
     assert memo.meta["memoized"] is False and "test refusal" in memo.meta["memo"]
