@@ -35,7 +35,7 @@ _EXPORTS = {
     "CATEGORIES": ".memory.events",
     "PHASES": ".memory.events",
     "Timeline": ".memory.timeline",
-    "track": ".memory.tracker",
+    "track": ".memory.recording",
     "PRESETS": ".presets",
     "SIZES": ".presets",
     "load_model": ".models",
@@ -111,8 +111,8 @@ if TYPE_CHECKING:
     from .estimation import estimate
     from .handle import Handle, Optimization
     from .memory.events import CATEGORIES, PHASES
+    from .memory.recording import track
     from .memory.timeline import Timeline
-    from .memory.tracker import track
     from .models import load_model, make_inputs
     from .optimizations import Checkpointing
     from .optimizations.ema import EMA

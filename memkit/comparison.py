@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 
 from .handle import Handle, Optimization, apply_all
 from .memory.events import CATEGORIES
+from .memory.recording import track
 from .memory.timeline import Timeline
-from .memory.tracker import track
 from .models import load_model, make_inputs
 from .presets import PRESETS
 from .step import Step

@@ -43,8 +43,8 @@ from .handle import Optimization, apply_all
 from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
+from .memory.recording import track
 from .memory.timeline import Timeline
-from .memory.tracker import track
 from .models import _default_dtype, load_model, make_inputs
 from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order
 from .presets import PRESETS

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from .handle import Handle
-from .memory.tracker import phase
+from .memory.recording import phase
 
 __all__ = ["MODES", "OPTIMIZERS", "Step", "StepRunner", "check_inputs", "make_optimizer", "model_output", "train_step"]
 

@@ -17,7 +17,7 @@ from _cpu_estimate import estimate_cpu
 import memkit
 from memkit import _torch_compat
 from memkit.handle import apply_all
-from memkit.memory.tracker import track
+from memkit.memory.recording import track
 from memkit.parallel import _blocks, sharded_order
 from memkit.step import Step, model_output
 

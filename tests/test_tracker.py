@@ -195,7 +195,7 @@ def test_cuda_history_on_a_cpu_machine_is_a_clear_error_or_silently_off():
 
 
 def test_track_records_cuda_history_when_asked(monkeypatch):
-    import memkit.memory.tracker as tracker_module
+    import memkit.memory.recording as recording_module
 
     calls = []
     snapshot = memkit.Timeline(columns={}, meta={"reserved_bytes": {"cuda:0": 2 << 20}})
@@ -204,8 +204,8 @@ def test_track_records_cuda_history_when_asked(monkeypatch):
         def remove(self):
             calls.append("stop")
 
-    monkeypatch.setattr(tracker_module, "record_cuda_history", lambda n: calls.append(("start", n)) or FakeHandle())
-    monkeypatch.setattr(tracker_module, "cuda_snapshot", lambda: calls.append("snapshot") or snapshot)
+    monkeypatch.setattr(recording_module, "record_cuda_history", lambda n: calls.append(("start", n)) or FakeHandle())
+    monkeypatch.setattr(recording_module, "cuda_snapshot", lambda: calls.append("snapshot") or snapshot)
     with track(cuda_history=True, max_entries=500) as tl:
         pass
     assert calls == [("start", 500), "snapshot", "stop"]

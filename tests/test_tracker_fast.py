@@ -16,6 +16,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+import memkit.memory.recording as recording_module
 import memkit.memory.tracker as tracker_module
 from memkit.memory import CATEGORIES, PHASES, Timeline, off_device, phase, released, tag, track, tracking
 from memkit.memory.events import ALLOC, FREE
@@ -761,15 +762,15 @@ def test_cuda_history_is_started_only_when_asked_or_available(monkeypatch):
         def remove(self):
             calls.append("stop")
 
-    monkeypatch.setattr(tracker_module, "record_cuda_history", lambda n: calls.append(("start", n)) or FakeHandle())
-    monkeypatch.setattr(tracker_module, "cuda_snapshot", lambda: calls.append("snapshot") or snapshot)
-    monkeypatch.setattr(tracker_module, "cuda_history_available", lambda: False)
+    monkeypatch.setattr(recording_module, "record_cuda_history", lambda n: calls.append(("start", n)) or FakeHandle())
+    monkeypatch.setattr(recording_module, "cuda_snapshot", lambda: calls.append("snapshot") or snapshot)
+    monkeypatch.setattr(recording_module, "cuda_history_available", lambda: False)
     with track() as tl:
         pass
     with track(cuda_history=False):
         pass
     assert calls == [] and "cuda" not in tl.meta
-    monkeypatch.setattr(tracker_module, "cuda_history_available", lambda: True)
+    monkeypatch.setattr(recording_module, "cuda_history_available", lambda: True)
     with track(max_entries=7) as tl:
         pass
     assert calls == [("start", 7), "snapshot", "stop"] and tl.meta["cuda"] is snapshot

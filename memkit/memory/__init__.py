@@ -31,14 +31,14 @@ _EXPORTS = {
     "sample_rss": ".rss",
     "write_snapshot": ".snapshot_write",
     "Tracker": ".tracker",
-    "current_timeline": ".tracker",
+    "current_timeline": ".recording",
     "host_state": ".tracker",
     "off_device": ".tracker",
-    "phase": ".tracker",
-    "released": ".tracker",
-    "tag": ".tracker",
-    "track": ".tracker",
-    "tracking": ".tracker",
+    "phase": ".recording",
+    "released": ".recording",
+    "tag": ".recording",
+    "track": ".recording",
+    "tracking": ".recording",
 }
 
 __all__ = [
@@ -73,20 +73,11 @@ __all__ = [
 if TYPE_CHECKING:
     from .allocator import AllocatorWindow, allocator_window
     from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
+    from .recording import current_timeline, phase, released, tag, track, tracking
     from .rss import RSSSamples, rss_bytes, sample_rss
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
-    from .tracker import (
-        Tracker,
-        current_timeline,
-        host_state,
-        off_device,
-        phase,
-        released,
-        tag,
-        track,
-        tracking,
-    )
+    from .tracker import Tracker, host_state, off_device
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -32,7 +32,8 @@ import warnings
 from collections.abc import Callable
 
 from .. import _torch_compat as _compat
-from .tracker import _shapes_only, in_host_state, tag
+from .recording import tag
+from .tracker import _shapes_only, in_host_state
 
 _saved: list[tuple[type, str, Callable]] = []
 

@@ -16,24 +16,21 @@ storage's role becomes known: autograd puts it in ``param.grad`` (gradient), it 
 
 from __future__ import annotations
 
-import contextvars
 import sys
 import time
 import traceback
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import _torch_compat as _compat
 from . import workspace
-from .cuda import cuda_history_available, cuda_snapshot, record_cuda_history
-from .events import ALLOC, CATEGORIES, CATEGORY_CODE, FREE, PHASE_CODE, EventLog, check_category
+from ._roles import _HOST_STATE, _OFF_DEVICE, _Live, _plain, _Roles, host_state, off_device  # noqa: F401 (API)
+from .events import ALLOC, CATEGORIES, CATEGORY_CODE, FREE, PHASE_CODE, EventLog
 from .timeline import Timeline
 from .workspace.scalars import reused_bytes, saved_scalars_fn
 
@@ -84,61 +81,7 @@ def _watch_outside_dispatch(on: bool) -> None:
             sys.modules["memkit.memory.fsdp"].instrument(False)
 
 
-def _plain(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors that own memory behind ``t``: itself, or a wrapper subclass's inner tensors (a DTensor's
-    local shard); the wrapper's own storage has the global size and holds no memory."""
-    if not is_traceable_wrapper_subclass(t):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    inner = (getattr(t, name) for name in names)
-    return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain(x)]
-
-
 _FRESH = {torch.ops.aten.lift_fresh.default}
-
-
-_OFF_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar("memkit_off_device", default=False)
-
-
-@contextmanager
-def off_device() -> Iterator[None]:
-    """Storages created inside live in host memory, not on the device the tracked step runs on: an optimization
-    that moves tensors off an accelerator (offloaded checkpoints) creates their host copies inside. Active
-    trackers leave them out of the timeline and count them in ``timeline.meta["host_peak_bytes"]`` (the most
-    alive at once). In an estimate for ``"cuda"`` the fake CPU tensors stand for device ones, so the same holds.
-
-    Example:
-        >>> with off_device():
-        ...     saved = x.to("cpu", non_blocking=True)
-    """
-    token = _OFF_DEVICE.set(True)
-    try:
-        yield
-    finally:
-        _OFF_DEVICE.reset(token)
-
-
-_HOST_STATE: contextvars.ContextVar[bool] = contextvars.ContextVar("memkit_host_state", default=False)
-
-
-@contextmanager
-def host_state() -> Iterator[None]:
-    """Storages created inside are state kept in host memory while the step computes on an accelerator (the
-    gradient shards FSDP2's CPU offload copies to the host). Unlike :func:`off_device`'s copies they keep a
-    category: active trackers leave them out of the timeline, let :meth:`Tracker.register` and :func:`tag` set
-    their category, and count them in ``timeline.meta["host_state_bytes"]`` (category -> the most alive at once).
-    Storages that exist already are declared with ``track(host=...)``; an optimizer whose parameters are all host
-    state steps on the host, so its state and temporaries are host state too.
-
-    Example:
-        >>> with host_state():
-        ...     grad = grad.to("cpu", non_blocking=True)
-    """
-    token = _HOST_STATE.set(True)
-    try:
-        yield
-    finally:
-        _HOST_STATE.reset(token)
 
 
 def in_host_state(t: torch.Tensor) -> bool:
@@ -148,16 +91,6 @@ def in_host_state(t: torch.Tensor) -> bool:
 
 
 _graph_task_running = _compat.graph_task_running
-
-
-class _Live:
-    """What the tracker knows about one live storage."""
-
-    __slots__ = ("event", "nbytes", "category", "phase", "ref")
-
-    def __init__(self, event: int, nbytes: int, category: int, phase: int, ref):
-        # ``ref`` is a weakref whose callback records the free; dropping it (at stop) cancels the callback.
-        self.event, self.nbytes, self.category, self.phase, self.ref = event, nbytes, category, phase, ref
 
 
 class _Mode(TorchDispatchMode):
@@ -185,7 +118,7 @@ class _Mode(TorchDispatchMode):
         return out
 
 
-class Tracker:
+class Tracker(_Roles):
     """Records the storages allocated and freed while it is active. Use it through :func:`track`, which
     registers the objects, starts and stops it; ``Tracker`` is public for code that needs ``register()``.
 
@@ -426,38 +359,6 @@ class Tracker:
             elif not self._closed:
                 self._free_now(s, self._phase_now())
 
-    def _on_host_now(self) -> bool:
-        return _OFF_DEVICE.get() or _HOST_STATE.get() or bool(self._host_steps and self._host_steps[-1])
-
-    def _keep(self, key: int, s: torch.UntypedStorage, n: int, category: str) -> None:
-        ident = len(self._kept_category)
-        self._kept_category.append(category)
-        self._kept[key] = (n, weakref.ref(s, partial(self._on_kept_free, key)), ident)
-        self._kept_events.append((ident, n))
-
-    def _on_kept_free(self, key: int, _ref=None) -> None:
-        entry = self._kept.pop(key, None)
-        if entry is not None and not self._closed:
-            self._kept_events.append((entry[2], -entry[0]))
-
-    def _host_state_bytes(self) -> dict[str, int]:
-        """Category -> the most host state of that category alive at once."""
-        live: dict[str, int] = {}
-        peak: dict[str, int] = {}
-        for ident, n in self._kept_events:
-            category = self._kept_category[ident]
-            live[category] = live.get(category, 0) + n
-            peak[category] = max(peak.get(category, 0), live[category])
-        return {c: n for c, n in peak.items() if n}
-
-    def _in_host(self, t: torch.Tensor) -> bool:
-        return any(inner.untyped_storage()._cdata in self._kept for inner in _plain(t))
-
-    def _on_host_free(self, key: int, _ref=None) -> None:
-        entry = self._host.pop(key, None)
-        if entry is not None:
-            self._host_bytes -= entry[0]
-
     def _on_free(self, key: int, device: int, _ref=None, row_key: int | None = None) -> None:
         self._resized_role.pop(key, None)
         entry = self._live.pop(key, None)
@@ -503,91 +404,6 @@ class Tracker:
         entered = next((i for i, f in enumerate(stack) if "/memkit/memory/" in f.filename), len(stack))
         frames = [f"{f.filename}:{f.lineno} {f.name}" for f in stack[:entered] if "/torch/" not in f.filename]
         return self.log.frames("\n".join(frames[-8:]))
-
-    # ---- categories -----------------------------------------------------------------------------------------
-    def _backward_started(self) -> None:
-        for entry in self._live.values():
-            if entry.phase == _FORWARD and entry.category == _TEMPORARY and entry.event >= 0:
-                self._retag(entry, _ACTIVATION)
-
-    def _retag(self, entry: _Live, code: int) -> None:
-        if entry.category == code:
-            return
-        if entry.event >= 0:
-            self.log.retags.append((entry.event, code))
-        else:  # a storage from before the window: move its bytes between baseline categories
-            self._baseline[CATEGORIES[entry.category]] -= entry.nbytes
-            self._baseline[CATEGORIES[code]] += entry.nbytes
-        entry.category = code
-
-    def register(self, tensors: Iterable[torch.Tensor], category: str) -> None:
-        """Give ``tensors`` the ``category``: storages allocated inside the window are retagged, storages
-        that existed before it are added to the baseline (they were live all along)."""
-        code = check_category(category)
-        for t in (inner for x in tensors if isinstance(x, torch.Tensor) for inner in _plain(x)):
-            s = t.untyped_storage()
-            key = s._cdata
-            kept = self._kept.get(key)
-            if kept is not None:  # host state keeps its bytes off the timeline, under the category it is given
-                self._kept_category[kept[2]] = category
-                continue
-            if key in self._host:  # a host copy made off the device (off_device()): not on the device's timeline
-                continue
-            entry = self._live.get(key)
-            if entry is not None:
-                self._retag(entry, code)
-                continue
-            n = s.nbytes()
-            if n == 0:  # resized to 0 (an FSDP unsharded parameter between uses): its role when it regrows
-                self._resized_role[key] = code
-                continue
-            n = self._round(n)
-            self._baseline[category] += n
-            device = self._device_code(t.device)
-            self._live[key] = _Live(-1, n, code, _OTHER, weakref.ref(s, partial(self._on_free, key, device)))
-
-    def register_host(self, tensors: Iterable[torch.Tensor], category: str) -> None:
-        """``tensors`` live in host memory while the step computes on the accelerator (FSDP2's CPU-offloaded
-        shards in an estimate for ``"cuda"``): left out of the timeline, counted in
-        ``timeline.meta["host_state_bytes"][category]``, unrounded (no device allocator). Register them before
-        the objects that hold them (the model), so those find them here."""
-        check_category(category)
-        for t in (inner for x in tensors if isinstance(x, torch.Tensor) for inner in _plain(x)):
-            s = t.untyped_storage()
-            key = s._cdata
-            n = s.nbytes()
-            if key in self._kept:
-                self.register([t], category)
-            elif key not in self._live and n:
-                self._keep(key, s, n, category)
-
-    def register_module(self, module: torch.nn.Module, recurse: bool = True) -> None:
-        """Register a module's parameters, buffers and existing gradients, and hook its gradients."""
-        for m in module.modules() if recurse else (module,):
-            if id(m) in self._seen_modules:
-                continue
-            self._seen_modules.add(id(m))
-            params = list(m.parameters(recurse=False))
-            self.register(params, "parameter")
-            self.register(m.buffers(recurse=False), "buffer")
-            self.register([p.grad for p in params if p.grad is not None], "gradient")
-            for p in params:
-                if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-
-    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Register an optimizer's state tensors as optimizer state (host state for a parameter in host memory:
-        an optimizer steps where its parameters are)."""
-        for param, state in optimizer.state.items():
-            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-            if self._kept and isinstance(param, torch.Tensor) and self._in_host(param):
-                self.register_host(tensors, "optimizer_state")
-            else:
-                self.register(tensors, "optimizer_state")
-
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            self.register([param.grad], "gradient")
 
     # ---- hooks ----------------------------------------------------------------------------------------------
     def _forward_pre(self, module, args) -> None:
@@ -671,190 +487,3 @@ class Tracker:
                 "frames": list(self.log.frames.items),
             },
         )
-
-
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    if obj is None:
-        return []
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
-
-
-def _owned_of(owned: Any) -> dict[str, list[torch.Tensor]]:
-    """Category -> tensors, from a handle (anything with ``owned()``, e.g. ``memkit.Handle``) or a mapping."""
-    if owned is None:
-        return {}
-    if hasattr(owned, "owned") and callable(owned.owned):
-        owned = owned.owned()
-    if not isinstance(owned, Mapping):
-        raise TypeError(f"owned must be a memkit.Handle or a mapping category -> tensors, got {type(owned).__name__}")
-    out = {}
-    for category, tensors in owned.items():
-        check_category(category)
-        out[category] = _tensors_of(list(tensors) if not isinstance(tensors, torch.Tensor) else tensors)
-    return out
-
-
-@contextmanager
-def track(
-    model: torch.nn.Module | None = None,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    inputs: Any = None,
-    owned: Any = None,
-    host: Mapping[str, Iterable[torch.Tensor]] | None = None,
-    record_stacks: bool = False,
-    alloc_granularity: int | None = None,
-    device: str | None = None,
-    label: str | None = None,
-    cuda_history: bool | None = None,
-    max_entries: int = 100_000,
-) -> Iterator[Timeline]:
-    """Track every storage allocated and freed inside the block; yields a live :class:`Timeline`.
-
-    Pass the objects that exist before the block (``model``, ``optimizer``, ``inputs``, and ``owned``: the
-    handle of the applied optimizations, or a mapping category -> tensors, for memory they allocated in
-    ``apply``, such as EMA shadows) so their memory is counted in the baseline with the right category.
-    ``host`` (category -> tensors) is state that lives in host memory while the step computes on an accelerator
-    (see :func:`host_state`): out of the timeline, in ``timeline.meta["host_state_bytes"]``.
-    Modules that run inside the block are discovered by their forward hooks and optimizers by their step
-    hooks, so a bare ``track()`` still categorizes parameters and optimizer state, but storages it never
-    sees (inputs not passed, tensors that are never touched) are not counted.
-
-    Costs ~10–20 µs per op in Python, whatever the tensor sizes: noticeable on a tiny model, lost in the
-    noise on a real one (see ``bench/RESULTS.md``). ``record_stacks=True`` also interns the Python stack of
-    each allocation (much slower). ``alloc_granularity=512`` rounds sizes like the CUDA caching allocator.
-    Nested ``track()`` blocks are supported: each sees every op of its own window.
-
-    On CUDA (``cuda_history=None`` means: when a CUDA device is available), the caching allocator's history
-    is recorded too (the last ``max_entries`` actions, with Python stacks); after the block
-    ``timeline.meta["cuda"]`` is that snapshot as its own Timeline (``reserved_bytes`` in its meta: the
-    allocator's segments, which include fragmentation). ``cuda_history=True`` on a machine without CUDA
-    raises :class:`~memkit.memory.cuda.CudaHistoryError` saying why.
-
-    Example:
-        >>> with memkit.track(model, inputs=inputs) as tl:
-        ...     memkit.train_step(model, inputs)
-        >>> print(tl.peak_bytes, tl.peak_by_category())
-    """
-    if alloc_granularity is not None and (not isinstance(alloc_granularity, int) or alloc_granularity < 1):
-        raise ValueError(f"alloc_granularity must be a positive int or None, got {alloc_granularity!r}")
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-    tracker = Tracker(record_stacks=record_stacks, alloc_granularity=alloc_granularity, device=device, label=label)
-    history = None
-    try:  # whatever fails below, stop() removes every hook already placed on the model
-        for category, tensors in (host or {}).items():  # first: the model's and optimizer's may be among them
-            tracker.register_host(_tensors_of(list(tensors)), category)
-        if model is not None:
-            tracker.register_module(model)
-        if optimizer is not None:
-            tracker.register_optimizer(optimizer)
-        tracker.register(_tensors_of(inputs), "input")
-        for category, tensors in _owned_of(owned).items():
-            tracker.register(tensors, category)
-        history = _start_cuda_history(cuda_history, max_entries)
-        tracker.start()
-        yield tracker.timeline
-    finally:
-        tracker.stop()
-        if history is not None:
-            try:
-                tracker.timeline.meta["cuda"] = cuda_snapshot()
-            finally:
-                history.remove()
-
-
-def _start_cuda_history(wanted: bool | None, max_entries: int):
-    if wanted is False:
-        return None
-    if wanted is None and not cuda_history_available():
-        return None
-    return record_cuda_history(max_entries)
-
-
-def tag(tensors: Iterable[torch.Tensor] | torch.Tensor, category: str, *, made: str | None = None) -> None:
-    """Tell every active tracker that ``tensors`` belong to ``category`` (no-op when none is active).
-
-    Optimizations call this for the memory they own (EMA shadows, offloaded weights). A storage a tracker has not
-    seen counts as live since before the window, unless ``made`` says it was made just now outside torch's
-    dispatch, where trackers see allocations (``made`` names how, for the timeline's op column: a file mapped into
-    memory): then it is an allocation now, freed when the storage is.
-
-    Example:
-        >>> memkit.memory.tag(shadow_params, "ema")
-        >>> mapped = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
-        >>> memkit.memory.tag(mapped, "parameter", made="mmap")
-    """
-    check_category(category)
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    for tracker in list(_active):
-        if made is not None:
-            for t in tensors:
-                tracker._outside_dispatch(t, made)
-        tracker.register(tensors, category)
-
-
-def released(tensors: Iterable[torch.Tensor] | torch.Tensor) -> None:
-    """Tell every active tracker that the memory of ``tensors`` was given back now although their storages live on
-    (no-op when none is active): the pages of a file mapping dropped with ``madvise(MADV_DONTNEED)``, which the
-    next touch maps again. Each is a free now; :func:`tag` with ``made`` records it allocated again.
-
-    Example:
-        >>> mapping.madvise(mmap.MADV_DONTNEED)
-        >>> memkit.memory.released(mapped)
-    """
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    for tracker in list(_active):
-        for t in tensors:
-            tracker._released(t)
-
-
-@contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Mark the allocations inside the block with phase ``name`` in every active tracker.
-
-    Example:
-        >>> with memkit.memory.phase("ema"):
-        ...     ema.update(model)
-    """
-    if name not in PHASE_CODE:
-        raise ValueError(f"phase must be one of {list(PHASE_CODE)}, got {name!r}")
-    trackers = list(_active)
-    for t in trackers:
-        t._explicit.append(PHASE_CODE[name])
-    try:
-        yield
-    finally:
-        for t in trackers:
-            t._explicit.pop()
-
-
-def tracking() -> bool:
-    """True while a :func:`track` block is active.
-
-    Example:
-        >>> with memkit.track():
-        ...     assert memkit.memory.tracking()
-    """
-    return bool(_active)
-
-
-def current_timeline() -> Timeline | None:
-    """The Timeline of the innermost :func:`track` block running now, or None outside one.
-
-    It is live: it grows while the block runs (each read is a snapshot of the events so far), so a progress view
-    can follow a step that ``compare`` or ``estimate`` tracks inside without changing them.
-
-    Example:
-        >>> with memkit.track():
-        ...     live = memkit.memory.current_timeline()
-        ...     y = torch.ones(1000)
-        >>> live.peak_bytes
-    """
-    return _active[-1].timeline if _active else None

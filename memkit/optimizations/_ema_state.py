@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..memory.placement import note_host_memory, noted_in_host, planned_device
-from ..memory.tracker import phase
+from ..memory.recording import phase
 from ._common import warn_once as _warn_once
 from ._ema_update import _lerp, _local
 from .offload import onloaded

@@ -24,7 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..memory.tracker import off_device, released, tag
+from ..memory.recording import released, tag
+from ..memory.tracker import off_device
 
 _DTYPES = {
     torch.float64: "F64",
