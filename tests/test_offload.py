@@ -13,6 +13,7 @@ from _cpu_estimate import estimate_cpu
 from torch import nn
 
 import memkit
+from memkit.optimizations import _offload_file as file_mod
 from memkit.optimizations import _offload_store as store_mod
 from memkit.optimizations import offload as offload_mod
 from memkit.optimizations.offload import Offload, OffloadError, onloaded
@@ -496,7 +497,7 @@ def _fill_disk(monkeypatch, room: int, how: str = "writev") -> None:
         def fake_open(path, mode="r", *args, **kwargs):
             return _FullDisk(path, mode, room) if "w" in mode else open(path, mode, *args, **kwargs)
 
-        monkeypatch.setattr(store_mod, "open", fake_open, raising=False)
+        monkeypatch.setattr(file_mod, "open", fake_open, raising=False)  # the module that writes the files
         return
     real, left = os.writev, [room]
 
