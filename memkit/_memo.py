@@ -1,29 +1,32 @@
-"""Block memoization of estimates: a full-size timeline from a probe that keeps three blocks per block list.
+"""Block memoization of estimates: a full-size timeline from a probe that keeps four blocks per block list.
 
 A diffusion transformer is a few lists of identical blocks (Flux: 19 double-stream and 38 single-stream blocks),
-and a fake step spends nearly all its time running them. The probe is the same model with each list cut to its
-first three blocks (the first, a middle one, the last), run through the very same step under the tracker, which
-tags every event with the block it happens in:
+and a fake step spends nearly all its time running them. The probe is the same model with each list cut to four
+blocks, its first three and its last (a preset is built so, :func:`probe_builder`; a model from a callable is
+built whole and :func:`cut`), run through the very same step under the tracker, which tags every event with the
+block it happens in (:class:`Tagger`):
 
 - inside a block's forward (its module hooks; a checkpointed block's recompute included): that block;
 - between two blocks of a list in the forward (the loop's own code, the next block's checkpoint bookkeeping):
-  the block before, until a module outside the blocks runs;
+  the block before, until a module outside the blocks runs; after that, outside the blocks;
 - in the backward: the block whose forward made the autograd node that runs (``AccumulateGrad``: the block whose
   parameter it is);
 - elsewhere (optimizer, ``zero_grad``): the block that owns the storage (a parameter's, its gradient's, its
   optimizer state's, or a storage an op made from one; a ``_foreach`` op's i-th output from its list's i-th
-  element).
+  element; a neighbour block's storage freed by the op that just ran for this block, in a per-parameter loop).
 
-The tagged events fall into *sweeps*: runs of consecutive events that go through the blocks of one list in
-order (the forward, the backward in reverse, each ``_foreach`` op of the optimizer). The full timeline is the
-probe's, each sweep's middle-block events repeated once per middle block of the full model, with fresh storage
-keys (a free resolved to the allocation it pairs with in the full model: same block, or the neighbour at the
-same distance). The baseline grows by the middle block's parameters, gradients and state per repeated block.
+Why four: a middle block's events depend on its neighbours (the backward adds each block's gradient of an input
+every block shares, such as the time embedding, into the sum the block after it began; the first block in the
+backward, the last one, begins it). The third probe block has a middle block on both sides, in the forward and
+going down in the backward (the second); it stands for every block but the first two and the last.
+:mod:`memkit._splice` makes the full timeline from the tagged events.
 
 Byte-equal to running every block (``estimate(..., memoize=False)``) on every preset and every supported
 setting (``tests/test_memo.py``). Settings whose memory is not a sum over blocks, or whose blocks differ from one
 another, run every block (:func:`unsupported` says why): an EMA or offload (state kept as one buffer or off the
-device), FSDP, checkpointing patterns that pick some blocks, a model without a list of identical blocks.
+device), FSDP (spliced, its peak came out wrong: its hooks gather and free parameters around the blocks),
+checkpointing patterns that pick some blocks, a model without a list of identical middle blocks. Where the
+probe's events do not fit the splice (:class:`Unsupported`), the estimate runs every block and says why.
 """
 
 from __future__ import annotations
