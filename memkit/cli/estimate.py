@@ -138,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         "peak_by_category": timeline.peak_by_category(),
         "host_bytes": dict(meta.get("host_bytes") or {}),
         "seconds": meta["seconds"],
+        "memoized": meta.get("memoized"),
+        "memo": meta.get("memo"),
         "lower_bound_ops": list(meta.get("lower_bound_ops") or []),
     }
     if plan is not None:
@@ -191,7 +193,14 @@ def run(args: argparse.Namespace) -> int:
     if any(result["host_bytes"].values()):  # e.g. an offloaded EMA: in CPU memory, so not in the GPU peak
         rows.append((f"in CPU memory, off the GPU peak ({args.unit})", ""))
         rows += [(f"  {c}", f"{v / div:{num}}") for c, v in result["host_bytes"].items() if v]
-    rows.append(("estimated in", f"{meta['seconds']:.1f} s ({len(timeline):,} events)"))
+    how = (
+        ""
+        if meta.get("memo") is None
+        else "; blocks memoized"
+        if meta["memoized"]
+        else f"; every block: {meta['memo']}"
+    )
+    rows.append(("estimated in", f"{meta['seconds']:.1f} s ({len(timeline):,} events{how})"))
     print(rows_text(rows))
     if result["lower_bound_ops"]:
         print(
