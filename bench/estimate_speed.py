@@ -1,14 +1,15 @@
 """How fast a full-size estimate is: block memoization and the fake-dispatch cache against the un-memoized step.
 
 Three ways of making the same estimate (``memkit.estimate(preset)``'s default: bf16 AdamW on ``"cuda"``, first and
-steady step), each in a fresh Python process with torch, diffusers and ``memkit.estimation`` imported before the
-clock starts (the import itself, ~2 s, is reported apart):
+steady step), each in a fresh Python process with torch, diffusers, the preset's diffusers model class and
+``memkit.estimation`` imported before the clock starts (the imports, ~3-5 s, are reported apart):
 
 - **baseline**: every block run, every op through ``FakeTensorMode`` (the estimate as it was before both changes:
   ``memoize=False``, ``FakeDispatchCache`` off);
 - **no memo**: every block run, ops through the fake-dispatch cache (``memoize=False``: the path settings that
   are not memoized take);
-- **memoized**: the default (a probe of four blocks per list, its events spliced: `memkit/_memo.py`, `memkit/_splice.py`).
+- **memoized**: the default (a probe of four blocks per list, its events spliced: `memkit/_memo.py`,
+  `memkit/_splice.py`).
 
 For the memoized path, "first" is the first estimate of the process, "new setting" a second estimate with another
 setting (``Checkpointing()``) in the same warm process, "same again" the first setting asked again (answered from
@@ -40,11 +41,13 @@ def _peak_rss_kib() -> int:
 
 def _worker(preset: str, how: str) -> None:
     t0 = time.perf_counter()
+    import diffusers
     import torch  # noqa: F401
 
     import memkit
     import memkit.estimation as estimation
 
+    getattr(diffusers, memkit.PRESETS[preset].model_class)  # diffusers imports each model's module on first use
     imports = time.perf_counter() - t0
     if how == "baseline":
         estimation.FakeDispatchCache = lambda: None
@@ -124,9 +127,9 @@ def run(quick: bool = False) -> Section:
             f"{base['rss_peak_kib'] / 2**10:.0f} MiB ({rss_ok})."
         )
     notes += [
-        "Imports (torch, diffusers, memkit.estimation: ~2 s, most of it torch._dynamo, which diffusers imports) are "
-        "paid once per process and excluded from every figure but 'imports'. `import memkit` itself imports "
-        "neither torch nor diffusers, so the first `memkit.estimate` of a process pays them.",
+        "Imports (torch, diffusers and its model class, memkit.estimation; most of it torch._dynamo, which diffusers "
+        "imports) are paid once per process and excluded from every figure but 'imports'. `import memkit` itself "
+        "imports neither torch nor diffusers, so the first `memkit.estimate` of a process pays them (~2-3 s more).",
         "UNet has no list of identical blocks (its blocks differ in width): it runs every block, with the fake-"
         "dispatch cache only.",
         "The runs go one after another on the machine described above; its other load slows them.",

@@ -209,8 +209,12 @@ def estimate(
         sizes=sizes,
     )  # fmt: skip
     measured = None
+    probe = None
+    if why_not is None and isinstance(model, str):
+        probe = _memo.probe_builder(PRESETS[model], size, dtype, seed)
+        if probe is None:  # a preset without lists of identical blocks (UNet): not built twice to find out
+            why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"
     if why_not is None:
-        probe = _memo.probe_builder(PRESETS[model], size, dtype, seed) if isinstance(model, str) else None
         try:
             if probe is not None:  # the preset built with four blocks per list: no full model to cut
                 measured = _measure(**{**run, "model_fn": probe[0]}, memoize=True, lengths=probe[1])
