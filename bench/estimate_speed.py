@@ -25,18 +25,11 @@ import sys
 import time
 
 from . import Section, Table, log
+from .estimate_full import _peak_rss_kib
 
 TITLE = "estimate_speed: full-size estimates, memoized vs every block run"
 TARGET_FIRST, TARGET_WARM = 3.0, 1.0  # seconds, full Flux
 _TIMEOUT = 1800
-
-
-def _peak_rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
 
 
 def _worker(preset: str, how: str) -> None:
