@@ -139,7 +139,7 @@ def test_live_updates_arrive_during_the_tracked_step_in_batches():
     seen = []
 
     def on_update(tl):
-        seen.append((time.perf_counter(), tl.meta["label"], len(tl), memkit.memory.recording(), tl))
+        seen.append((time.perf_counter(), tl.meta["label"], len(tl), memkit.memory.tracking(), tl))
 
     result = state.run(on_update=on_update)
     assert result.ok, result.message
@@ -165,13 +165,13 @@ def test_stop_ends_the_run_cleanly_and_the_next_run_works():
     ops = {"n": 0}
 
     def stop_in_the_tracked_step():  # mid-step: a tracker, hooks and a dispatch mode are live
-        ops["n"] += memkit.memory.recording()
+        ops["n"] += memkit.memory.tracking()
         return ops["n"] > 100
 
     rng = torch.get_rng_state
     result = state.run(should_stop=stop_in_the_tracked_step)
     assert result.status == "stopped" and "stop" in result.message and result.comparison is None
-    assert not memkit.memory.recording() and torch.get_rng_state is rng
+    assert not memkit.memory.tracking() and torch.get_rng_state is rng
     assert not state.running
 
     def stop_when_the_variant_starts(fraction, text):
@@ -185,7 +185,7 @@ def test_stop_ends_the_run_cleanly_and_the_next_run_works():
     ops["n"] = 0
     memkit.estimation.clear_cache()  # a setting estimated before in this process is answered at once: nothing to stop
     result = state.estimate(should_stop=stop_in_the_tracked_step)  # under FakeTensorMode too
-    assert result.status == "stopped" and not memkit.memory.recording()
+    assert result.status == "stopped" and not memkit.memory.tracking()
 
     result = state.run()
     assert result.ok, result.message
@@ -248,7 +248,7 @@ def test_failures_inside_the_library_come_back_as_messages_and_the_next_run_work
     scale.set("oom", True)
     result = state.run()
     assert result.status == "error" and result.message.startswith("out of memory") and "smaller" in result.message
-    assert not memkit.memory.recording()
+    assert not memkit.memory.tracking()
     scale.set("oom", False)
     assert state.run().ok
 

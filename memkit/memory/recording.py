@@ -183,7 +183,7 @@ def tracking() -> bool:
 
     Example:
         >>> with memkit.track():
-        ...     assert memkit.memory.recording()
+        ...     assert memkit.memory.tracking()
     """
     return bool(_active)
 
