@@ -65,6 +65,11 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cuda": ("memkit/memory/cuda.py", ("tests/test_cuda.py",)),
     "allocator": ("memkit/memory/allocator.py", ("tests/test_allocator.py",)),
     "tracker": ("memkit/memory/tracker.py", ("tests/test_tracker_fast.py",)),
+    "roles": ("memkit/memory/_roles.py", ("tests/test_tracker_fast.py", "tests/test_categories.py")),
+    "recording": ("memkit/memory/recording.py", ("tests/test_tracker_fast.py",)),
+    "fake_dispatch": ("memkit/memory/_fake_dispatch.py", ("tests/test_fake_dispatch.py",)),
+    "memo": ("memkit/_memo.py", ("tests/test_memo.py",)),
+    "splice": ("memkit/_splice.py", ("tests/test_memo.py",)),
     "workspace": ("memkit/memory/workspace/*", ("tests/test_workspace_fast.py",)),
     "snapshot": (
         "memkit/memory/snapshot.py",
