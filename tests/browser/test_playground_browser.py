@@ -339,8 +339,10 @@ def _check_the_app(page, tmp_path: Path) -> None:
     app.get_by_text("Run: done").wait_for(timeout=30_000)
     watch = page.evaluate("clearInterval(window.__memkit.timer), window.__memkit")
     before_table = watch["seen"][: watch["tableAt"]]
-    # The live timeline grew while the run went on: each tracked step redraws it, growing, before the table lands.
-    assert _increases(before_table) >= 2, watch["seen"]
+    # The live timeline was redrawn while the run went on, before the table landed: a tracked window starts small and
+    # grows. Point counts are of the decimated figure, which keeps the peak exactly but may draw fewer points as the
+    # timeline grows (9,745 then 8,058 points): redraws are counted, and one growth (counting two was flaky).
+    assert len(before_table) >= 3 and _increases(before_table) >= 1, watch["seen"]
 
     variants = app.locator(".memkit-table thead th").all_inner_texts()  # a column per variant
     assert [v.strip() for v in variants if v.strip()] == ["baseline", f"checkpointing:{PATTERN}"]
