@@ -14,11 +14,20 @@ device; every other argument by type and value) and, from the second time on:
 Everything else goes to ``FakeTensorMode`` as before: views (which must share their base's storage), ops tagged
 random, data-dependent or dynamic-shape, ops on constants (``torch.tensor(0.)``, whose values fake tensors
 propagate), outputs that are not plain fake tensors, or whose storage is larger than their extent, or shared.
-``tests/test_fake_dispatch.py`` checks that estimates are byte-equal with the cache on and off.
+What it learns is kept for the process (the next estimate, a widget's next setting, starts with it) and on disk
+(:func:`save`, :func:`cache_file`: a JSON file per torch version in the user's cache folder or ``MEMKIT_CACHE_DIR``,
+read once per process), so a fresh process, each CLI call, starts with what earlier ones learned. Entries are
+metadata only; a file that cannot be read or written is ignored with a warning, never an error.
+
+``tests/test_fake_dispatch.py`` checks that estimates are byte-equal with the cache on and off, and through the
+file.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -54,9 +63,21 @@ def _meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.storage_offset(), s.nbytes(), s._cdata)
 
 
+# What fake dispatch gave each signature, for the whole process: entries hold no tensors and no mode, only
+# metadata, which is a function of the key alone (torch's meta kernels), so the next estimate (a widget's next
+# setting) starts with what the earlier ones learned.
+_ENTRIES: dict[tuple, Any] = {}
+_ENTRIES_KEPT = 200_000  # ~100 bytes each; past it the store starts again
+_OPS: dict[int, int] = {}  # id(func) -> 0 never, 1 new tensors, 2 in place, 3 view, 4 prim.device, 5 item
+_FUNCS: dict[int, Any] = {}  # id(func) -> func, for the file's op names
+_FORMAT = 1  # the file's: bump when what an entry means changes
+_disk = {"read": False, "saved": 0, "warned": set()}
+
+
 class FakeDispatchCache:
     """Call ops through it instead of ``func(*args, **kwargs)`` under ``FakeTensorMode`` (see the module
-    docstring). One instance per estimate: entries hold no tensors, only metadata.
+    docstring). One instance per estimate (it makes its fake tensors in that estimate's mode); what it learns is
+    kept for the process.
 
     Example:
         >>> cache = FakeDispatchCache()
@@ -64,8 +85,10 @@ class FakeDispatchCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, Any] = {}
-        self._ops: dict[int, int] = {}  # id(func) -> 0 never, 1 new tensors, 2 in place
+        _read_once()
+        self._entries = _ENTRIES
+        self._ops = _OPS
+        self.mode = None  # the estimate's FakeTensorMode, from the first fake tensor an op gives
         self.hits = 0
 
     def _kind(self, func) -> int:
@@ -91,6 +114,7 @@ class FakeDispatchCache:
                 elif schema.is_mutable and schema.name.endswith("_"):  # add_, _foreach_mul_: not out= variants
                     kind = 2
             self._ops[id(func)] = kind
+            _FUNCS[id(func)] = func
         return kind
 
     def __call__(self, func, args: tuple, kwargs: dict) -> Any:
@@ -111,7 +135,7 @@ class FakeDispatchCache:
         except _Bypass:
             return func(*args, **kwargs)
         entry = self._entries.get(key)
-        if entry is not None:
+        if entry is not None and (self.mode is not None or entry[0] == "inplace"):
             self.hits += 1
             return self._replay(entry, args)
         return self._first(key, kind, func, args, kwargs)
@@ -120,9 +144,18 @@ class FakeDispatchCache:
         tensors = [a for a in _flat((*args, *kwargs.values())) if isinstance(a, FakeTensor)]
         before = [_meta(t) for t in tensors] if kind == 2 else None
         out = func(*args, **kwargs)
-        entry = _entry_of(kind, out, args, tensors, before)
-        if entry is not None:
-            self._entries[key] = entry
+        made = out if isinstance(out, FakeTensor) else out[0] if isinstance(out, (list, tuple)) and out else None
+        if isinstance(made, FakeTensor):
+            if self.mode is None:
+                self.mode = made.fake_mode
+            elif made.fake_mode is not self.mode:
+                return out  # another mode's tensors (not an estimate's): nothing to learn
+        if key not in self._entries:
+            entry = _entry_of(kind, out, args, tensors, before)
+            if entry is not None:
+                if len(self._entries) >= _ENTRIES_KEPT:
+                    self._entries.clear()
+                self._entries[key] = entry
         return out
 
     def _replay(self, entry, args):
@@ -130,12 +163,12 @@ class FakeDispatchCache:
         if kind == "inplace":
             return args[value] if value is not None else None
         if kind == "view":
-            mode, base, outputs, container = value
+            base, outputs, container = value
             storage = args[base].untyped_storage()
-            made = [_view(mode, storage, m) for m in outputs]
+            made = [_view(self.mode, storage, m) for m in outputs]
             return made[0] if container is None else container(made)
-        mode, outputs, container = value
-        made = [_fresh(mode, m) for m in outputs]
+        outputs, container = value
+        made = [_fresh(self.mode, m) for m in outputs]
         return made[0] if container is None else container(made)
 
 
@@ -180,7 +213,7 @@ def _entry_of(kind, out, args, tensors, before):
         if s.nbytes() != extent * t.element_size():
             return None  # a slice of a larger buffer: its storage is not what empty_strided makes
         infos.append((shape, stride, t.dtype, t.device, t.requires_grad))
-    return ("new", (outs[0].fake_mode, infos, container))
+    return ("new", (infos, container))
 
 
 def _fresh(mode, info) -> FakeTensor:
@@ -206,7 +239,7 @@ def _view_entry(out, args):
         if t.layout != torch.strided:
             return None
         infos.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad))
-    return ("view", (outs[0].fake_mode, base, infos, container))
+    return ("view", (base, infos, container))
 
 
 def _view(mode, storage, info) -> FakeTensor:
@@ -215,3 +248,145 @@ def _view(mode, storage, info) -> FakeTensor:
         empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
         empty.set_(storage, offset, shape, stride)
     return FakeTensor(mode, empty, device)
+
+
+# -- the file ----------------------------------------------------------------------------------------------------
+def cache_file() -> str:
+    """The file fake dispatch answers are kept in across processes: one per torch version (meta kernels decide
+    them), in ``MEMKIT_CACHE_DIR`` or the user's cache folder.
+
+    Example:
+        >>> from memkit.memory import _fake_dispatch
+        >>> _fake_dispatch.cache_file()   # e.g. ~/.cache/memkit/fake-dispatch-torch2.13.0-v1.json
+    """
+    from platformdirs import user_cache_dir
+
+    root = os.environ.get("MEMKIT_CACHE_DIR") or user_cache_dir("memkit")
+    return os.path.join(root, f"fake-dispatch-torch{torch.__version__}-v{_FORMAT}.json")
+
+
+def save() -> None:
+    """Write what this process learned to :func:`cache_file` (merged with what other processes wrote meanwhile,
+    replaced atomically); nothing to do when nothing is new. ``memkit.estimate`` calls it after each estimate.
+
+    Example:
+        >>> memkit.estimate("flux", size="full"); _fake_dispatch.save()   # the next process starts faster
+    """
+    if len(_ENTRIES) == _disk["saved"]:
+        return
+    path = cache_file()
+    mine = []
+    for k, v in list(_ENTRIES.items()):
+        try:
+            mine.append([_op_name(_FUNCS[k[0]]), _enc(k[1:]), _enc(v)])
+        except (KeyError, TypeError):  # an op or a container type the file cannot name: kept in the process only
+            pass
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            theirs = _read(path)
+        except (OSError, ValueError):
+            theirs = []
+        known = {json.dumps(e[:2]) for e in mine}
+        merged = mine + [e for e in theirs if json.dumps(e[:2]) not in known]
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"format": _FORMAT, "torch": torch.__version__, "entries": merged[:_ENTRIES_KEPT]}, f)
+        os.replace(tmp, path)
+        _disk["saved"] = len(_ENTRIES)
+    except OSError as e:
+        _warn_once("written", path, e)
+
+
+def _read_once() -> None:
+    if _disk["read"]:
+        return
+    _disk["read"] = True
+    path = cache_file()
+    if not os.path.exists(path):
+        return
+    try:
+        entries = _read(path)
+        for name, key, value in entries:
+            func = _op(name)
+            if func is not None:
+                _FUNCS[id(func)] = func
+                _ENTRIES.setdefault((id(func), *_dec(key)), _dec(value))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        _warn_once("read", path, e)
+    _disk["saved"] = len(_ENTRIES)
+
+
+def _read(path: str) -> list:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("torch") != torch.__version__:
+        raise ValueError(f"not a format-{_FORMAT} fake dispatch cache of torch {torch.__version__}")
+    entries = data.get("entries")
+    if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 3 for e in entries):
+        raise ValueError("its entries are not [op, key, value] triples")
+    return entries
+
+
+def _warn_once(what: str, path: str, e: Exception) -> None:
+    if what not in _disk["warned"]:
+        _disk["warned"].add(what)
+        warnings.warn(
+            f"memkit: the fake dispatch cache {path} cannot be {what} ({type(e).__name__}: {e}); it is ignored, "
+            "and each process learns its estimates' ops again",
+            stacklevel=3,
+        )
+
+
+def _op_name(func) -> str:
+    return f"{func._schema.name.split('::', 1)[1]}.{func._overloadname}"
+
+
+def _op(name: str):
+    packet, _, overload = name.rpartition(".")
+    try:
+        return getattr(getattr(torch.ops.aten, packet), overload)
+    except (AttributeError, RuntimeError):
+        return None  # an op this torch does not have: its entries are not used
+
+
+_TYPES = {t.__name__: t for t in (*_SCALARS, list, tuple)}
+_NAMED = {"dt": torch.dtype, "mf": torch.memory_format, "ly": torch.layout}
+
+
+def _enc(x: Any) -> Any:
+    """JSON for a key or an entry: tagged objects for what JSON has not (tuples, dtypes, devices, types)."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, tuple):
+        return {"T": [_enc(v) for v in x]}
+    if isinstance(x, list):
+        return {"L": [_enc(v) for v in x]}
+    if isinstance(x, torch.device):
+        return {"dv": str(x)}
+    if isinstance(x, type) and x.__name__ in _TYPES:
+        return {"ty": x.__name__}
+    for tag, kind in _NAMED.items():
+        if isinstance(x, kind):
+            return {tag: str(x).removeprefix("torch.")}
+    raise TypeError(f"cannot write a {type(x).__name__} to the fake dispatch cache")
+
+
+def _dec(x: Any) -> Any:
+    if not isinstance(x, dict):
+        if isinstance(x, list):
+            raise ValueError("a bare list")
+        return x
+    ((tag, v),) = x.items()
+    if tag == "T":
+        return tuple(_dec(e) for e in v)
+    if tag == "L":
+        return [_dec(e) for e in v]
+    if tag == "dv":
+        return torch.device(v)
+    if tag == "ty":
+        return _TYPES[v]
+    value = getattr(torch, v)
+    if not isinstance(value, _NAMED[tag]):
+        raise ValueError(f"torch.{v} is not a {_NAMED[tag].__name__}")
+    return value
