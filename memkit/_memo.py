@@ -312,11 +312,12 @@ class Tagger:
             return
         owner = self.owner
         found = None
-        for t in tree_flatten(args)[0]:
-            if isinstance(t, torch.Tensor):
-                o = owner.get(t.untyped_storage()._cdata)
-                if o is not None and o != found:
-                    found = o if found is None else _AGG
+        for a in args:  # an aten op's arguments: tensors, lists of tensors (foreach), scalars
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor):
+                    o = owner.get(t.untyped_storage()._cdata)
+                    if o is not None and o != found:
+                        found = o if found is None else _AGG
         self.op_owner = found
         if found is _AGG and func.__name__.startswith("_foreach_") and isinstance(out, (list, tuple)):
             first = next((a for a in args if isinstance(a, (list, tuple)) and len(a) == len(out)), None)

@@ -48,11 +48,11 @@ def _key_of(a: Any) -> Any:
     if isinstance(a, FakeTensor):
         if a.constant is not None:
             raise _Bypass
-        return (a.dtype, a.shape, a.stride(), a.storage_offset(), a.device, a.requires_grad)
+        return (a.dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device, a.requires_grad)
     if isinstance(a, torch.Tensor):
         raise _Bypass
     if isinstance(a, (list, tuple)):
-        return (type(a), tuple(_key_of(x) for x in a))
+        return (type(a), tuple([_key_of(x) for x in a]))
     if isinstance(a, _SCALARS):
         return (type(a), a)
     raise _Bypass
