@@ -84,11 +84,12 @@ class FSDP:
     (each shard copied to the GPU before every all-gather, each gradient shard back after its reduce-scatter)
     and a CPU optimizer step. It is the offload that composes with FSDP (``memkit.Offload`` does not).
 
+    It is the registry's ``fsdp`` entry (``memkit estimate --fsdp 8,cpu-offload``, the Playground's fsdp panel).
     In :func:`memkit.estimate` pass it as ``parallel=`` or among the ``optimizations`` (the same estimate): it is
     applied after checkpointing and the FF split (they change the blocks FSDP wraps) and before an EMA (whose
-    shadows then live on the shards); on real tensors :func:`sharded_order` puts it there. ``compare`` does not
-    take it: rank 0 holds only its shard of the values, so outputs and gradients cannot be compared with the
-    unsharded model's.
+    shadows then live on the shards); on real tensors :func:`sharded_order` puts it there. It is estimate-only:
+    ``compare`` (and the Playground's Run) refuses it, since rank 0 holds only its shard of the values, so
+    outputs and gradients cannot be compared with the unsharded model's.
 
     Example:
         >>> tl = memkit.estimate("flux", optimizer="adamw", parallel=memkit.FSDP(world_size=8))

@@ -121,6 +121,7 @@ def test_fsdp_is_keyword_only_frozen_and_named():
 def test_parse_reads_what_str_writes(value, config):
     assert memkit.FSDP.parse(value) == config
     assert memkit.FSDP.parse(str(config).removeprefix("fsdp:")) == config
+    assert memkit.optimizations.parse(str(config)) == config
 
 
 def test_parse_round_trips_a_mixed_precision_policy():
@@ -170,6 +171,14 @@ def test_estimate_refuses_two_fsdps_and_a_parallel_that_is_not_one():
         estimate_cpu(PRESET, size="tiny", optimizations=[memkit.FSDP(world_size=2), memkit.FSDP(world_size=2)])
     with pytest.raises(TypeError, match="parallel must be a memkit.FSDP"):
         estimate_cpu(PRESET, size="tiny", parallel=2)
+
+
+def test_compare_refuses_fsdp_saying_why_and_what_to_use():
+    with pytest.raises(
+        ValueError, match=r"variants\['sharded'\]: fsdp:2 is estimate-only.*rank 0 holds only its shard"
+    ):
+        memkit.compare(PRESET, {"sharded": [memkit.FSDP(world_size=2)]}, progress=False)
+    assert not dist.is_initialized()  # refused before anything ran
 
 
 # ---- world size 1 is today's estimate ---------------------------------------------------------------------------
