@@ -211,6 +211,20 @@ def _variant_of(name: str, value: Variant | Sequence[Optimization]) -> Variant:
     return Variant(optimizations=value)
 
 
+def _refuse_estimate_only(runs: Mapping[str, Variant]) -> None:
+    """An optimization the registry says only estimates take (``memkit.FSDP``) is a ValueError saying why."""
+    from .optimizations import spec_of
+
+    for name, variant in runs.items():
+        for o in variant.optimizations:
+            spec = spec_of(o)
+            if spec is not None and spec.estimate_only:
+                raise ValueError(
+                    f"variants[{name!r}]: {o} is estimate-only, compare does not take it: {spec.estimate_only}. "
+                    "Use memkit.estimate(..., optimizations=[...]) for its memory"
+                )
+
+
 def _clone_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -303,7 +317,8 @@ def compare(
     Args:
         model_fn: a preset name (its tiny size) or a callable returning a model.
         variants: name -> :class:`Variant`, or name -> list of optimizations (the short form), e.g.
-            ``{"checkpointing": [memkit.Checkpointing()]}``.
+            ``{"checkpointing": [memkit.Checkpointing()]}``. An estimate-only one (``memkit.FSDP``: rank 0 holds
+            only its shard of the values) is a ValueError saying why; :func:`memkit.estimate` takes it.
         mode: ``"training"`` or ``"inference"``: the step, when ``step`` is not given.
         step: the :class:`memkit.Step` of the baseline and of every variant without its own.
         inputs: forward kwargs, a callable ``inputs(model)`` (called once, with the first model), or None for
@@ -329,6 +344,7 @@ def compare(
     runs = {str(k): _variant_of(str(k), v) for k, v in variants.items()}
     if "baseline" in runs:
         raise ValueError("variants must not be named 'baseline': that name is the unoptimized reference")
+    _refuse_estimate_only(runs)
     if any((v.step or step).mode != step.mode for v in runs.values()):
         raise ValueError(f"every variant's step must be a {step.mode} step, like the comparison's")
     if not isinstance(tolerance, (int, float)) or not tolerance > 0:

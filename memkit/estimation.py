@@ -47,7 +47,7 @@ from .memory.placement import note_disk_memory, note_host_memory, noted_in_host,
 from .memory.recording import track
 from .memory.timeline import Timeline
 from .models import _default_dtype, load_model, make_inputs
-from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order
+from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order, split_parallel
 from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
@@ -115,7 +115,7 @@ def estimate(
         step: the :class:`memkit.Step` to run, instead of ``mode``, ``optimizer`` and ``steps`` (give one or
             the others). Its ``foreach`` defaults to what torch uses on ``device``.
         optimizations: optimization objects, applied with ``.apply(model)`` as in a real run; the memory
-            their handles own is counted in its category.
+            their handles own is counted in its category. A :class:`memkit.FSDP` among them is ``parallel``.
         dtype: parameter and input dtype (default bf16).
         optimizer: ``"auto"`` (AdamW in training, none in inference), ``"adamw"``, ``"adam"``, ``"sgd"`` or
             None (training only). With None, gradients accumulate across steps as in a loop of
@@ -129,7 +129,8 @@ def estimate(
         progress: show a progress bar (build, then each step); None shows it for full-size presets.
         parallel: a :class:`memkit.FSDP`: the timeline of rank 0 of a fully sharded run over its world size
             (torch's FSDP2 on a fake process group, started for the estimate and ended after it unless one is
-            running). The optimizations are applied before the sharding, an EMA after it (on the shards).
+            running). The optimizations are applied before the sharding, an EMA after it (on the shards). The
+            same FSDP among ``optimizations`` gives the same estimate; two FSDPs are a ValueError.
             ``memkit.Offload`` is refused with it: FSDP's own ``FSDP(cpu_offload=True)`` is the offload that
             composes with sharding.
         memoize: run the model with each list of identical blocks cut to four (the first three and the last) and
@@ -174,8 +175,7 @@ def estimate(
         raise TypeError("inputs must be a callable inputs(model) -> forward kwargs, or None")
     if parallel is not None and not isinstance(parallel, FSDP):
         raise TypeError(f"parallel must be a memkit.FSDP or None, got {type(parallel).__name__}")
-    if any(isinstance(o, FSDP) for o in optimizations):
-        raise ValueError("pass memkit.FSDP as parallel=..., not among the optimizations of an estimate")
+    optimizations, parallel = split_parallel(optimizations, parallel)
     if parallel is not None:
         refuse_group_offload(optimizations)
 

@@ -2,10 +2,11 @@
 
 ``memkit.FSDP(world_size=8)`` shards the model with ``torch.distributed.fsdp.fully_shard`` (each transformer
 block, then the root) over a *fake* process group: collectives do nothing, every rank's shapes are real. On
-fake tensors (``memkit.estimate(..., parallel=memkit.FSDP(...))``) that is the per-GPU timeline of a full-size
-model in seconds; on real tensors (``FSDP(...).apply(model)``, then ``memkit.Step`` under ``memkit.track``) the
-same step runs for real on CPU, so an estimate is checkable against real storages. Values are rank 0's shard; the
-other ranks' data is never there, so outputs and gradients are not those of the unsharded model (memory is).
+fake tensors (``memkit.estimate(..., parallel=memkit.FSDP(...))``, or among its ``optimizations``) that is the
+per-GPU timeline of a full-size model in seconds; on real tensors (``FSDP(...).apply(model)``, then
+``memkit.Step`` under ``memkit.track``) the same step runs for real on CPU, so an estimate is checkable against
+real storages. Values are rank 0's shard; the other ranks' data is never there, so outputs and gradients are not
+those of the unsharded model (memory is).
 
 What the categories mean under FSDP2 (see ``memkit/memory/fsdp.py`` for how the tracker knows them):
 ``parameter``, ``gradient`` and ``optimizer_state`` are rank 0's shards (1/N of the model each, plus padding
@@ -31,7 +32,7 @@ from .handle import Handle
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["FSDP", "fake_process_group", "on_local_shards", "refuse_group_offload", "sharded_order"]
+__all__ = ["FSDP", "fake_process_group", "on_local_shards", "refuse_group_offload", "sharded_order", "split_parallel"]
 
 
 @contextlib.contextmanager
@@ -83,14 +84,17 @@ class FSDP:
     (each shard copied to the GPU before every all-gather, each gradient shard back after its reduce-scatter)
     and a CPU optimizer step. It is the offload that composes with FSDP (``memkit.Offload`` does not).
 
-    In :func:`memkit.estimate` pass it as ``parallel=``; on real tensors apply it after checkpointing and the FF
-    split (they change the blocks FSDP wraps) and before an EMA (whose shadows then live on the shards):
-    :func:`sharded_order` does that. ``compare`` does not take it: rank 0 holds only its shard of the values,
-    so outputs and gradients cannot be compared with the unsharded model's.
+    It is the registry's ``fsdp`` entry (``memkit estimate --fsdp 8,cpu-offload``, the Playground's fsdp panel).
+    In :func:`memkit.estimate` pass it as ``parallel=`` or among the ``optimizations`` (the same estimate): it is
+    applied after checkpointing and the FF split (they change the blocks FSDP wraps) and before an EMA (whose
+    shadows then live on the shards); on real tensors :func:`sharded_order` puts it there. It is estimate-only:
+    ``compare`` (and the Playground's Run) refuses it, since rank 0 holds only its shard of the values, so
+    outputs and gradients cannot be compared with the unsharded model's.
 
     Example:
         >>> tl = memkit.estimate("flux", optimizer="adamw", parallel=memkit.FSDP(world_size=8))
         >>> tl.peak_by_category()["parameter"]          # rank 0's shard of the weights
+        >>> memkit.estimate("flux", optimizations=[memkit.FSDP.parse("8,bf16")])   # the same as parallel=
         >>> with memkit.FSDP(world_size=2).apply(model) as h, memkit.track(model) as real:
         ...     memkit.Step().bind(model, h).run(inputs)          # the same, for real on CPU
     """
@@ -134,6 +138,46 @@ class FSDP:
                 "mixed_precision must be None, a floating torch.dtype (torch.bfloat16, torch.float16, "
                 f"torch.float32) or a torch.distributed.fsdp.MixedPrecisionPolicy, got {mp!r}"
             )
+
+    @classmethod
+    def parse(cls, value: str) -> FSDP:
+        """The config a command-line or widget value names, as ``str()`` writes it after ``fsdp:``: the world
+        size, then any of ``keep-unsharded``, a dtype (mixed precision: ``bfloat16`` or ``bf16``, ``float16`` or
+        ``fp16``, ``float32`` or ``fp32``; or ``param=DTYPE,reduce=DTYPE``, a policy) and ``cpu-offload``,
+        comma-separated.
+
+        Example:
+            >>> memkit.FSDP.parse("8,bf16,cpu-offload")
+            FSDP(world_size=8, reshard_after_forward=True, mixed_precision=torch.bfloat16, cpu_offload=True)
+        """
+        head, *options = (part.strip() for part in value.split(","))
+        try:
+            world_size = int(head)
+        except ValueError:
+            raise ValueError(
+                f"world_size, the first part of the fsdp value N[,keep-unsharded][,DTYPE][,cpu-offload], must be a "
+                f"whole number of GPUs, got {head!r} in {value!r}"
+            ) from None
+        kwargs: dict[str, Any] = {"world_size": world_size}
+        policy: dict[str, torch.dtype | None] = {}
+        for option in options:
+            key, _, name = option.partition("=")
+            if option == "keep-unsharded":
+                kwargs["reshard_after_forward"] = False
+            elif option == "cpu-offload":
+                kwargs["cpu_offload"] = True
+            elif option in _DTYPES:
+                kwargs["mixed_precision"] = _DTYPES[option]
+            elif key in ("param", "reduce") and (name in _DTYPES or name == "same"):
+                policy[f"{key}_dtype"] = _DTYPES.get(name)
+            else:
+                raise ValueError(
+                    f"fsdp value {value!r}: unknown option {option!r}; after the world size: keep-unsharded, a dtype "
+                    f"({', '.join(_DTYPES)}), param=DTYPE,reduce=DTYPE, cpu-offload"
+                )
+        if policy:
+            kwargs["mixed_precision"] = _mp_policy_class()(**policy)
+        return cls(**kwargs)
 
     def process_group(self) -> contextlib.AbstractContextManager:
         """:func:`fake_process_group` of ``world_size`` ranks; yields the mesh :meth:`apply` takes."""
@@ -204,6 +248,17 @@ class FSDP:
         return f"fsdp:{self.world_size}{extra}"
 
 
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+"""Mixed-precision dtypes by the names :meth:`FSDP.parse` takes: torch's, and the command line's ``--dtype``'s."""
+
+
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return "same" if dtype is None else str(dtype).replace("torch.", "")
 
@@ -266,6 +321,24 @@ class _Sharding:
 
     def __str__(self) -> str:
         return str(self.fsdp)
+
+
+def split_parallel(optimizations, parallel: FSDP | None = None) -> tuple[list, FSDP | None]:
+    """``optimizations`` without the :class:`FSDP` among them, and the step's one FSDP: that one, or ``parallel``.
+    A model is sharded once: two FSDPs (among the optimizations, or there and as ``parallel``) are a ValueError.
+
+    Example:
+        >>> split_parallel([memkit.Checkpointing(), memkit.FSDP(world_size=8)])
+        ([Checkpointing(pattern='all', ...)], FSDP(world_size=8, ...))
+    """
+    rest = [o for o in optimizations if not isinstance(o, FSDP)]
+    found = [o for o in optimizations if isinstance(o, FSDP)] + ([parallel] if parallel is not None else [])
+    if len(found) > 1:
+        raise ValueError(
+            f"optimizations: a model is sharded once, got {', '.join(map(str, found))}; give one memkit.FSDP, "
+            "as parallel= or among the optimizations"
+        )
+    return rest, (found[0] if found else None)
 
 
 def sharded_order(optimizations, fsdp: FSDP, mesh: Any = None) -> list:

@@ -77,6 +77,23 @@ def test_estimate_json_peak_equals_the_library(capsys):
     assert (result["dtype"], result["optimizer"], result["device"]) == ("bfloat16", "adamw", "cpu")
 
 
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
+def test_the_fsdp_flag_is_the_registry_entry_and_its_old_options_still_work(capsys):
+    fsdp = memkit.optimizations.parse("fsdp:2,bf16")
+    assert fsdp == memkit.FSDP(world_size=2, mixed_precision=torch.bfloat16)
+    timeline = memkit.estimate(PRESET, size="tiny", dtype=torch.float32, optimizations=[fsdp])
+    unsharded = memkit.estimate(PRESET, size="tiny", dtype=torch.float32)
+    for flags in (["--fsdp", "2,bf16"], ["--fsdp", "2", "--fsdp-param-dtype", "bf16"]):
+        memkit.estimation.clear_cache()  # each run estimates, not a copy of the one before
+        code, out, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--dtype", "fp32", "--json", *flags)
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["parallel"] == "fsdp:2,bfloat16" and result["optimizations"] == []
+        assert result["peak_bytes"] == timeline.peak_bytes < unsharded.peak_bytes
+        assert result["peak_by_category"] == timeline.peak_by_category()
+    assert "--fsdp-param-dtype is deprecated" in err and "use --fsdp 2,bf16" in err
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 def test_estimate_fsdp_is_the_library_s_parallel_estimate(capsys):
@@ -206,7 +223,9 @@ def test_checkpointing_auto_fits_a_budget(capsys):
         (["estimate", "flux", "--size", "tiny", "--height", "33"], "multiple of 16"),
         (["estimate", PRESET, "--inference", "--optimizer", "sgd"], "training only"),
         (["report", PRESET, "--size", "full"], "invalid choice"),
-        (["estimate", PRESET, "--fsdp", "0"], "--fsdp takes the number of GPUs"),
+        (["estimate", PRESET, "--fsdp", "0"], "--fsdp 0: world_size must be an int >= 1, got 0"),
+        (["estimate", PRESET, "--fsdp", "two"], "--fsdp two: world_size, the first part of the fsdp value"),
+        (["estimate", PRESET, "--fsdp", "2,fast"], "--fsdp 2,fast: fsdp value '2,fast': unknown option 'fast'"),
         (["estimate", PRESET, "--fsdp-keep-unsharded"], "go with --fsdp N"),
         (["estimate", PRESET, "--fsdp-cpu-offload"], "--fsdp-cpu-offload go with --fsdp N"),
         (["estimate", PRESET, "--offload", "cpu", "--fsdp", "2"], "parallel=memkit.FSDP(..., cpu_offload=True)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,11 +107,78 @@ def test_fsdp_is_keyword_only_frozen_and_named():
     assert "FSDP" in memkit.__all__ and memkit.FSDP is memkit.parallel.FSDP
 
 
-def test_estimate_refuses_fsdp_among_the_optimizations():
-    with pytest.raises(ValueError, match="parallel="):
-        estimate_cpu(PRESET, size="tiny", optimizations=[memkit.FSDP(world_size=2)])
+@pytest.mark.parametrize(
+    ("value", "config"),
+    [
+        ("8", memkit.FSDP()),
+        (
+            "2,keep-unsharded,bf16,cpu-offload",
+            memkit.FSDP(world_size=2, reshard_after_forward=False, mixed_precision=torch.bfloat16, cpu_offload=True),
+        ),
+        (" 4 , float16 ", memkit.FSDP(world_size=4, mixed_precision=torch.float16)),
+    ],
+)
+def test_parse_reads_what_str_writes(value, config):
+    assert memkit.FSDP.parse(value) == config
+    assert memkit.FSDP.parse(str(config).removeprefix("fsdp:")) == config
+    assert memkit.optimizations.parse(str(config)) == config
+
+
+def test_parse_round_trips_a_mixed_precision_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    config = memkit.FSDP(world_size=2, mixed_precision=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    assert str(config) == "fsdp:2,param=same,reduce=float32"
+    assert memkit.FSDP.parse("2,param=same,reduce=float32") == config
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "world_size must be an int >= 1, got 0"),
+        ("-2", "world_size must be an int >= 1, got -2"),
+        ("two", "world_size, the first part of the fsdp value .* must be a whole number of GPUs, got 'two'"),
+        ("2.5", "world_size.* must be a whole number of GPUs, got '2.5'"),
+        ("", "world_size.* got ''"),
+        ("8,fast", "unknown option 'fast'; after the world size: keep-unsharded, a dtype"),
+        ("8,int8", "unknown option 'int8'"),
+    ],
+)
+def test_parse_refuses_bad_values_naming_the_argument(value, message):
+    with pytest.raises(ValueError, match=message):
+        memkit.FSDP.parse(value)
+
+
+def test_fsdp_among_the_optimizations_is_the_parallel_estimate_byte_for_byte():
+    fsdp = memkit.FSDP(world_size=2)
+    kwargs = dict(size="tiny", optimizer="adamw", steps=2, memoize=False)
+    by_parallel = estimate_cpu(PRESET, optimizations=[memkit.Checkpointing()], parallel=fsdp, **kwargs)
+    memkit.estimation.clear_cache()  # else the second estimate is the first's cached copy
+    listed = estimate_cpu(PRESET, optimizations=[fsdp, memkit.Checkpointing()], **kwargs)
+    assert listed.meta["cached"] is False and len(listed) == len(by_parallel) > 0
+    for name in ("action", "bytes", "category", "phase", "device", "op"):
+        assert np.array_equal(listed.column(name), by_parallel.column(name)), name
+    assert listed.baseline_by_category == by_parallel.baseline_by_category
+    for key in ("optimizations", "parallel", "host_bytes", "first_step_peak_bytes", "steady_peak_bytes"):
+        assert listed.meta[key] == by_parallel.meta[key], key
+    assert listed.meta["parallel"] == "fsdp:2" and listed.meta["optimizations"] == ["checkpointing:all"]
+
+
+def test_estimate_refuses_two_fsdps_and_a_parallel_that_is_not_one():
+    with pytest.raises(ValueError, match="a model is sharded once, got fsdp:2, fsdp:4"):
+        estimate_cpu(PRESET, size="tiny", optimizations=[memkit.FSDP(world_size=2)], parallel=memkit.FSDP(world_size=4))
+    with pytest.raises(ValueError, match="sharded once"):
+        estimate_cpu(PRESET, size="tiny", optimizations=[memkit.FSDP(world_size=2), memkit.FSDP(world_size=2)])
     with pytest.raises(TypeError, match="parallel must be a memkit.FSDP"):
         estimate_cpu(PRESET, size="tiny", parallel=2)
+
+
+def test_compare_refuses_fsdp_saying_why_and_what_to_use():
+    with pytest.raises(
+        ValueError, match=r"variants\['sharded'\]: fsdp:2 is estimate-only.*rank 0 holds only its shard"
+    ):
+        memkit.compare(PRESET, {"sharded": [memkit.FSDP(world_size=2)]}, progress=False)
+    assert not dist.is_initialized()  # refused before anything ran
 
 
 # ---- world size 1 is today's estimate ---------------------------------------------------------------------------

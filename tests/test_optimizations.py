@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import memkit
-from memkit.optimizations import REGISTRY, Spec, parse, register
+from memkit.optimizations import REGISTRY, Spec, parse, register, spec_of
 from memkit.step import Step, model_output
 
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 SPECS = sorted(REGISTRY)
 MODELS = ["flux", "unet"]  # a transformer and the UNet: different block structures
 
@@ -79,6 +80,20 @@ def test_checkpointing_is_registered_with_its_patterns():
     spec = REGISTRY["checkpointing"]
     assert spec.config is memkit.Checkpointing
     assert parse("checkpointing:all") == memkit.Checkpointing(pattern="all")
+
+
+def test_fsdp_is_registered_as_an_estimate_only_entry():
+    spec = REGISTRY["fsdp"]
+    assert spec.config is memkit.FSDP and spec_of(memkit.FSDP(world_size=2)) is spec
+    assert parse("fsdp:4,cpu-offload") == memkit.FSDP(world_size=4, cpu_offload=True)
+    assert parse("fsdp") == memkit.FSDP(world_size=8)
+    assert "rank 0" in spec.estimate_only and not spec.report  # memkit report compares real runs
+    assert all(not s.estimate_only for n, s in REGISTRY.items() if n != "fsdp")
+    assert list(REGISTRY).index("fsdp") < list(REGISTRY).index("ema")  # an EMA's shadows live on the shards
+    assert spec_of(object()) is None
+    with pytest.raises(ValueError, match="spec.report must be empty"):
+        register(dataclasses.replace(spec, name="sharded", report=("8",)))
+    assert "sharded" not in REGISTRY
 
 
 def test_parse_and_register_refuse_bad_input_by_name():

@@ -25,7 +25,7 @@ import torch
 import memkit
 from memkit.optimizations import REGISTRY, Spec
 from memkit.widgets import figures as figures_module
-from memkit.widgets.fields import panel_fields
+from memkit.widgets.fields import panel_fields, type_hints
 from memkit.widgets.panels import CUSTOM
 from memkit.widgets.state import PlaygroundState
 
@@ -218,6 +218,8 @@ def test_stops_only_before_aten_ops():
         (lambda s: _enable(s, "ema", update_every=0), ["ema", "update_every"]),
         (lambda s: _enable(s, "checkpointing", pattern="every:2", budget_bytes="1GiB"), ["checkpointing", "budget"]),
         (lambda s: _enable(s, "checkpointing", budget_bytes="lots"), ["checkpointing", "budget_bytes", "lots"]),
+        (lambda s: _enable(s, "fsdp", world_size=0), ["fsdp", "world_size must be an int >= 1, got 0"]),
+        (lambda s: _enable(s, "fsdp", world_size="eight"), ["fsdp", "world_size", "'eight'"]),
     ],
 )
 def test_bad_settings_come_back_as_a_message(change, words):
@@ -324,7 +326,7 @@ def test_every_registry_entry_gets_a_panel_that_builds_its_config(name):
     panel = pg.panels[name]
     fields = panel_fields(spec)
     assert list(panel.widgets) == [f.name for f in fields] == list(spec.panel or panel.widgets)
-    hints = typing.get_type_hints(spec.config)
+    hints = type_hints(spec.config)  # FSDP's MixedPrecisionPolicy is imported for type checkers only
     for f in fields:
         w = panel.widgets[f.name]
         assert w.description == f.name and w.tooltip == f.doc and len(f.doc) > 10
@@ -349,6 +351,36 @@ def test_every_registry_entry_gets_a_panel_that_builds_its_config(name):
         w.value = old
         assert pg.state.optimizations[name].config() == spec.parse(spec.choices[0])
         assert panel.choice.value == spec.choices[0]
+
+
+def test_the_fsdp_panel_shards_the_estimate_and_run_refuses_it():
+    pg = memkit.Playground(preset="pixart", estimate_size="tiny", repeats=0, figures="widget")
+    panel = pg.panels["fsdp"]
+    assert list(panel.widgets) == ["world_size", "reshard_after_forward", "mixed_precision", "cpu_offload"]
+    assert [type(w).__name__ for w in panel.widgets.values()] == ["IntText", "Checkbox", "Dropdown", "Checkbox"]
+    assert "Estimate only" in panel.view.children[1].value and "Run refuses it" in panel.view.children[1].value
+    result = pg.estimate(wait=True)
+    assert result.ok, result.message
+    alone = result.comparison.results["baseline"].timeline
+    panel.enabled.value = True
+    peaks, params = {}, {}
+    for n in (4, 2):
+        panel.widgets["world_size"].value = n
+        result = pg.estimate(wait=True)
+        assert result.ok, result.message
+        sharded = result.comparison.results[f"fsdp:{n}"]
+        assert sharded.optimizations == [memkit.FSDP(world_size=n)]
+        assert sharded.timeline.meta["parallel"] == f"fsdp:{n}"
+        peaks[n] = sharded.timeline.peak_bytes
+        params[n] = sharded.timeline.baseline_by_category["parameter"]  # rank 0's shard of the weights
+    assert peaks[4] < peaks[2] < alone.peak_bytes  # each GPU's peak, lower with more GPUs
+    assert params[4] < params[2] < alone.baseline_by_category["parameter"]
+    panel.widgets["world_size"].value = 0
+    assert "world_size must be an int &gt;= 1, got 0" in panel.status.value
+    panel.widgets["world_size"].value = 4
+    result = pg.run(wait=True)
+    assert result.status == "error" and "fsdp is estimate-only" in result.message and "Estimate" in result.message
+    assert "estimate-only" in pg.messages.value
 
 
 def test_a_new_registry_entry_gets_its_panel_with_no_app_change(with_scale):

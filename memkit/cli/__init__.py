@@ -110,7 +110,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux --checkpointing all      # the same with gradient checkpointing\n"
         "  memkit estimate ltx-video --checkpointing auto --budget 20GiB   # the fewest blocks that fit\n"
         "  memkit estimate flux --fsdp 8                 # per GPU, sharded over 8 GPUs with FSDP2\n"
-        "  memkit estimate flux --fsdp 8 --fsdp-cpu-offload  # the same, shards and optimizer in CPU memory\n"
+        "  memkit estimate flux --fsdp 8,cpu-offload     # the same, shards and optimizer in CPU memory\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n\n" + _presets_epilog(),
         formatter_class=_Formatter,
@@ -166,32 +166,10 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         help="with --checkpointing auto[@PROVIDER]: the peak to fit (e.g. 40GiB); memkit checkpoints the fewest "
         "blocks whose estimated peak fits (2 + log2(blocks) estimates)",
     )
-    fsdp = p.add_argument_group("sharding (torch's FSDP2 on a fake process group: the memory of rank 0)")
-    fsdp.add_argument(
-        "--fsdp",
-        type=int,
-        metavar="N",
-        default=None,
-        help="shard parameters, gradients and optimizer state over N GPUs (fully_shard per block and the root)",
-    )
-    fsdp.add_argument(
-        "--fsdp-keep-unsharded",
-        action="store_true",
-        help="with --fsdp: keep each block's gathered parameters from forward to backward (reshard_after_forward="
-        "False: more memory, fewer all-gathers)",
-    )
-    fsdp.add_argument(
-        "--fsdp-param-dtype",
-        choices=DTYPE_NAMES,
-        default=None,
-        help="with --fsdp: gather and compute parameters in this dtype, reduce gradients in fp32 (mixed precision)",
-    )
-    fsdp.add_argument(
-        "--fsdp-cpu-offload",
-        action="store_true",
-        help="with --fsdp: keep the parameter shards, gradient shards and optimizer state in CPU memory (FSDP2's "
-        "CPUOffloadPolicy; the optimizer steps on the CPU): off the GPU peak, listed as CPU memory",
-    )
+    old = p.add_argument_group("deprecated (go in the next release): the options of --fsdp N[,OPTION...]")
+    old.add_argument("--fsdp-keep-unsharded", action="store_true", help="use --fsdp N,keep-unsharded")
+    old.add_argument("--fsdp-param-dtype", choices=DTYPE_NAMES, default=None, help="use --fsdp N,DTYPE (e.g. bf16)")
+    old.add_argument("--fsdp-cpu-offload", action="store_true", help="use --fsdp N,cpu-offload")
     p.add_argument("--unit", choices=tuple(UNITS), default="GiB", help="unit of the printed table")
     p.add_argument("--html", metavar="FILE", help="write the memory timeline as an interactive HTML figure")
     p.add_argument("--png", metavar="FILE", help="write the memory timeline as a PNG (needs kaleido and Chromium)")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 import memkit
 
 from .._torch_compat import TorchVersionError
+from ..parallel import split_parallel
 from ..units import UNITS, best_unit, parse_bytes
 from ._common import (
     DTYPES,
@@ -46,30 +48,34 @@ def _auto_checkpointing(args: argparse.Namespace) -> tuple[int, str] | None:
     return budget, provider
 
 
-def _parallel(args: argparse.Namespace) -> memkit.FSDP | None:
-    """``--fsdp N`` (with ``--fsdp-keep-unsharded``, ``--fsdp-param-dtype``, ``--fsdp-cpu-offload``) as a
-    ``memkit.FSDP``, or None."""
-    n = getattr(args, "fsdp", None)
-    keep, dtype, offload = (getattr(args, f"fsdp_{a}", None) for a in ("keep_unsharded", "param_dtype", "cpu_offload"))
-    if n is None:
-        if keep or dtype or offload:
-            raise CLIError("--fsdp-keep-unsharded, --fsdp-param-dtype and --fsdp-cpu-offload go with --fsdp N")
-        return None
-    if n < 1:
-        raise CLIError(f"--fsdp takes the number of GPUs, an int >= 1, got {n}")
-    return memkit.FSDP(
-        world_size=n,
-        reshard_after_forward=not keep,
-        mixed_precision=DTYPES[dtype] if dtype else None,
-        cpu_offload=bool(offload),
-    )
+def _parallel(args: argparse.Namespace, optimizations: list) -> tuple[list, memkit.FSDP | None]:
+    """The optimizations without ``--fsdp``'s FSDP, and that FSDP (None without the flag), with the deprecated
+    ``--fsdp-keep-unsharded``, ``--fsdp-param-dtype`` and ``--fsdp-cpu-offload`` folded in (each warns)."""
+    optimizations, fsdp = split_parallel(optimizations)
+    old = {
+        "--fsdp-keep-unsharded": ("keep-unsharded", {"reshard_after_forward": False}),
+        "--fsdp-param-dtype": (args.fsdp_param_dtype, {"mixed_precision": DTYPES.get(args.fsdp_param_dtype)}),
+        "--fsdp-cpu-offload": ("cpu-offload", {"cpu_offload": True}),
+    }
+    given = {flag: v for flag, v in old.items() if getattr(args, flag[2:].replace("-", "_"))}
+    if given and fsdp is None:
+        better = ",".join(value for value, _ in given.values())
+        raise CLIError(f"{', '.join(given)} go with --fsdp N (better: --fsdp N,{better})")
+    for flag, (value, change) in given.items():
+        print(
+            f"memkit estimate: warning: {flag} is deprecated and goes in the next release: use --fsdp "
+            f"{fsdp.world_size},{value}",
+            file=sys.stderr,
+        )
+        fsdp = dataclasses.replace(fsdp, **change)
+    return optimizations, fsdp
 
 
 def run(args: argparse.Namespace) -> int:
     """``memkit estimate``: a full-size step on fake tensors, printed as a table or JSON."""
     check_preset(args.preset)
     auto = _auto_checkpointing(args)
-    optimizations = optimizations_from(args, args.optimization_specs)
+    optimizations, parallel = _parallel(args, optimizations_from(args, args.optimization_specs))
     training = args.mode == "training"
     optimizer = args.optimizer
     if not training and optimizer not in (None, "none"):
@@ -89,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--steps 1 asks for the first training step; an inference pass has no first or steady step")
     check_writable(args.html)
     check_writable(args.png)
-    parallel = _parallel(args)
     settings = dict(
         mode=args.mode,
         dtype=DTYPES[args.dtype],

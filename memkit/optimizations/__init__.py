@@ -8,12 +8,13 @@ string becomes a config. Strings are parsed only at the boundary (CLI flags, wid
 library passes config objects around.
 
 A new optimization goes in ``memkit/optimizations/<name>.py`` with one ``register(Spec(...))`` line below; the
-CLI flag ``--<name>``, the ``memkit report`` variants and the shared tests (apply, step, remove: the model is
-bit-identical) then pick it up.
+CLI flag ``--<name>``, the Playground's panel, the ``memkit report`` variants and the shared tests (apply, step,
+remove: the model is bit-identical) then pick it up. Sharding is an entry too (``fsdp``: :class:`memkit.FSDP`, in
+``memkit/parallel.py``), one that only estimates take (``Spec.estimate_only``).
 
 Example:
     >>> from memkit.optimizations import REGISTRY, parse
-    >>> list(REGISTRY)                      # ['checkpointing']
+    >>> list(REGISTRY)                      # ['checkpointing', 'ff-split', 'fsdp', 'ema', 'offload']
     >>> parse("checkpointing:all")          # Checkpointing(pattern='all')
 """
 
@@ -26,7 +27,7 @@ from types import MappingProxyType
 from ..handle import Optimization
 from .checkpointing import PROVIDERS, Checkpointing
 
-__all__ = ["REGISTRY", "Checkpointing", "Spec", "parse", "register"]
+__all__ = ["REGISTRY", "Checkpointing", "Spec", "parse", "register", "spec_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,10 @@ class Spec:
     """Values a panel offers for a field whose type does not list them: a menu for a plain ``str`` field
     (``provider``), suggestions beside free text for a field that takes more than its string forms
     (``pattern``: ``"every:3"`` or a tuple of indices)."""
+    estimate_only: str = ""
+    """Why only estimates take it (:func:`memkit.estimate`, the Playground's Estimate), when they alone do:
+    :func:`memkit.compare` and the Playground's Run refuse it with this reason, and its panel says so. Empty: real
+    runs take it too."""
 
     def __post_init__(self) -> None:
         choices = MappingProxyType({k: tuple(v) for k, v in self.field_choices.items()})
@@ -95,6 +100,8 @@ def register(spec: Spec) -> Spec:
         raise ValueError(f"an optimization named {spec.name!r} is registered already")
     if not spec.choices:
         raise ValueError(f"spec.choices must name at least one value for {spec.name!r}")
+    if spec.estimate_only and spec.report:
+        raise ValueError(f"spec.report must be empty for {spec.name!r}: memkit report compares real runs")
     if is_dataclass(spec.config):
         names = [f.name for f in fields(spec.config)]
         for what, listed in (("panel", spec.panel), ("field_choices", tuple(spec.field_choices))):
@@ -103,6 +110,15 @@ def register(spec: Spec) -> Spec:
                 raise ValueError(f"spec.{what} names {unknown}, not fields of {spec.config.__name__}: {names}")
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def spec_of(optimization: object) -> Spec | None:
+    """The registry entry whose config ``optimization`` is, or None.
+
+    Example:
+        >>> spec_of(memkit.FSDP(world_size=8)).estimate_only    # why compare refuses it
+    """
+    return next((s for s in _REGISTRY.values() if isinstance(optimization, s.config)), None)
 
 
 def parse(text: str) -> Optimization:
@@ -152,6 +168,24 @@ register(
         choices=("4", "2", "8"),
         report=("4",),
         panel=("splits", "mode", "recompute"),
+    )
+)
+
+from ..parallel import FSDP  # noqa: E402
+
+register(
+    Spec(
+        name="fsdp",
+        config=FSDP,
+        summary="shard parameters, gradients and optimizer state over N GPUs (torch's FSDP2 on a fake process "
+        "group: the memory of rank 0): AdamW on fp32 drops from 16 to 16/N bytes per parameter, plus the gathered "
+        "parameters of the blocks running and the communication buffers; 'cpu-offload' moves the shards to CPU "
+        "memory; activations untouched; estimates only",
+        metavar="N[,keep-unsharded][,DTYPE][,cpu-offload]",
+        choices=("8", "2", "4", "8,bfloat16", "8,keep-unsharded", "8,cpu-offload"),
+        panel=("world_size", "reshard_after_forward", "mixed_precision", "cpu_offload"),
+        estimate_only="rank 0 holds only its shard of the values, so outputs and gradients cannot be compared "
+        "with the unsharded model's (its memory is the estimate's)",
     )
 )
 

@@ -2,9 +2,10 @@
 holds (:class:`OptimizationSettings`): no widgets here.
 
 Each editable field of the config becomes a :class:`Field`: its kind (checkbox, menu, number, text), its
-default, the values a menu offers (from a ``Literal[...]``, ``bool | None``, a dtype, or the entry's
-``field_choices``) and its docstring (the tooltip). The app turns each kind into one ipywidget, so an
-optimization registered with :func:`memkit.optimizations.register` gets its panel with no change to the app.
+default, the values a menu offers (from a ``Literal[...]``, ``bool | None``, a dtype (alone or beside types no
+widget edits), or the entry's ``field_choices``) and its docstring (the tooltip). The app turns each kind into
+one ipywidget, so an optimization registered with :func:`memkit.optimizations.register` gets its panel with no
+change to the app.
 
 Example:
     >>> from memkit.optimizations import REGISTRY
@@ -14,10 +15,12 @@ Example:
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import functools
 import inspect
 import re
+import sys
 import textwrap
 import types
 import typing
@@ -26,7 +29,7 @@ from typing import Any, Literal
 
 from ..units import parse_bytes
 
-__all__ = ["Field", "FieldKind", "OptimizationSettings", "panel_fields"]
+__all__ = ["Field", "FieldKind", "OptimizationSettings", "panel_fields", "type_hints"]
 
 FieldKind = Literal["bool", "choice", "int", "float", "text"]
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -122,7 +125,7 @@ def panel_fields(spec: Any) -> list[Field]:
     config = spec.config
     if not dataclasses.is_dataclass(config):
         raise TypeError(f"{spec.name}: spec.config must be a dataclass to get a panel, got {config!r}")
-    hints = typing.get_type_hints(config)
+    hints = type_hints(config)
     docs = _field_docs(config)
     by_name = {f.name: f for f in dataclasses.fields(config) if f.init}
     extra = getattr(spec, "field_choices", {}) or {}
@@ -141,6 +144,32 @@ def panel_fields(spec: Any) -> list[Field]:
             continue
         out.append(field)
     return out
+
+
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, where a name only type checkers see (imported under ``TYPE_CHECKING``, as
+    ``memkit.FSDP`` does with FSDP2's ``MixedPrecisionPolicy``) stands for a type of its own that no widget edits,
+    instead of a NameError.
+
+    Example:
+        >>> type_hints(memkit.FSDP)["mixed_precision"]      # torch.dtype | MixedPrecisionPolicy | None
+    """
+    try:
+        return typing.get_type_hints(cls)
+    except NameError:
+        pass
+    known = set(vars(builtins))
+    for klass in cls.__mro__:
+        module = sys.modules.get(klass.__module__)
+        known |= set(vars(module)) if module is not None else set()
+
+    class _Unknown(dict):  # eval asks the locals first: a name the modules define is refused here, found there
+        def __missing__(self, name: str) -> type:
+            if name in known:
+                raise KeyError(name)
+            return type(name, (), {"__module__": cls.__module__})
+
+    return typing.get_type_hints(cls, localns=_Unknown())
 
 
 def _default_of(f: dataclasses.Field) -> Any:
@@ -162,9 +191,10 @@ def _field_of(f: dataclasses.Field, hint: Any, doc: str, extra: tuple) -> Field 
     if literal:
         values = tuple(v for m in members for v in typing.get_args(m)) + ((None,) if optional else ())
         return Field(f.name, "choice", default, doc, values, tuple(map(str, values)), optional)
-    if len(members) == 1 and _is_dtype(members[0]):
+    if any(_is_dtype(m) for m in members) and not any(m in (str, int, float) for m in members):
         import torch  # a dtype field belongs to a config that imported torch already
 
+        # a menu of dtypes; the other types the field takes (FSDP's MixedPrecisionPolicy) are set from Python
         values = (None,) * optional + tuple(getattr(torch, n) for n in _DTYPE_NAMES)
         labels = ("None",) * optional + _DTYPE_NAMES
         return Field(f.name, "choice", default, doc, values, labels, optional)

@@ -3,7 +3,8 @@
 A panel edits an :class:`~memkit.widgets.state.OptimizationSettings`: a checkbox turns the optimization on, a
 menu picks one of the entry's values (``spec.choices``: ``"all@selective"``...) and fills the fields, and one
 widget per field edits it (checkbox, menu, number or text box, chosen by the field's kind; its docstring is the
-tooltip). Below, the config those values make (``checkpointing:every:2``) or why they make none.
+tooltip). Below, the config those values make (``checkpointing:every:2``) or why they make none. An entry only
+estimates take (``spec.estimate_only``: fsdp) says so under its summary.
 
 Example:
     >>> panel = OptimizationPanel(state.optimizations["ema"])
@@ -81,7 +82,11 @@ class OptimizationPanel:
         }
         self.status = widgets.HTML()
         note = "font-size:0.85em;color:#555;line-height:1.3"
-        summary = widgets.HTML(f"<div style='{note}'>{html.escape(spec.summary)}</div>")
+        text = html.escape(spec.summary)
+        only = getattr(spec, "estimate_only", "")
+        if only:  # e.g. fsdp: the estimate shows its per-GPU memory, a real run cannot check it
+            text += f"<br><b>Estimate only</b>: Run refuses it ({html.escape(only)})"
+        summary = widgets.HTML(f"<div style='{note}'>{text}</div>")
         self.enabled.observe(self._on_enabled, "value")
         self.choice.observe(self._on_choice, "value")
         for name, w in self.widgets.items():

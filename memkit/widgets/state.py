@@ -4,7 +4,8 @@
 inference, optimizer) and one :class:`OptimizationSettings` per registered optimization. It builds the library's
 objects from them (a :class:`memkit.Step`, the optimization configs, :class:`memkit.Variant` s) and runs them:
 :meth:`~PlaygroundState.run` compares the baseline with the variants on real tensors (:func:`memkit.compare`),
-:meth:`~PlaygroundState.estimate` the same settings at full size on fake tensors (:func:`memkit.estimate`).
+:meth:`~PlaygroundState.estimate` the same settings at full size on fake tensors (:func:`memkit.estimate`; with the
+fsdp panel on, the memory of one GPU of a sharded run, which only an estimate gives: Run refuses it).
 Whatever goes wrong comes back as a :class:`RunResult` with a message, never as an exception; a stop request
 ends a run between two ops and leaves nothing behind. No widgets here: the app and the tests drive the same
 object.
@@ -284,6 +285,12 @@ class PlaygroundState:
                 "float32). Pick tiny or small to run, and Estimate for the full size"
             )
         step, variants, dtype, sizes = self.step(), self.build_variants(), self._torch_dtype(), self.input_sizes()
+        only = [s for s in self.optimizations.values() if s.enabled and getattr(s.spec, "estimate_only", "")]
+        if only:  # fsdp: compare would refuse it too, in its own words
+            raise ValueError(
+                f"{only[0].name} is estimate-only: {only[0].spec.estimate_only}. Press Estimate for its memory, or "
+                f"switch {only[0].name} off to Run"
+            )
         names = ["baseline", *variants]
         per_run = self.repeats + 3  # build, compared step, timed steps, tracked step
         progress.total = len(names) * per_run
@@ -322,6 +329,7 @@ class PlaygroundState:
         from ..comparison import Comparison
         from ..estimation import _cache_key, _lookup, _store, estimate
         from ..models import load_model
+        from ..parallel import split_parallel
 
         self._check()
         step, variants, dtype, sizes = self.step(), self.build_variants(), self._torch_dtype(), self.input_sizes()
@@ -341,16 +349,17 @@ class PlaygroundState:
                 return model
 
             model_fn.__name__ = preset  # the estimate's meta["model"]
+            others, parallel = split_parallel(optimizations)  # fsdp's panel: the per-GPU memory of rank 0
             # the preset's estimate, as memkit.estimate(preset, ...) keeps it: a setting shown before is shown at once
             key = _cache_key(
-                model=preset, inputs=None, step=step, optimizations=optimizations, dtype=dtype, size=size,
-                batch_size=batch, device="cuda", seed=seed, parallel=None, sizes=sizes, memoize=True,
+                model=preset, inputs=None, step=step, optimizations=others, dtype=dtype, size=size,
+                batch_size=batch, device="cuda", seed=seed, parallel=parallel, sizes=sizes, memoize=True,
             )  # fmt: skip
             tl = _lookup(key, time.perf_counter())
             if tl is None:
                 tl = estimate(
-                    model_fn, step=step, optimizations=optimizations, dtype=dtype, batch_size=batch,
-                    seed=seed, progress=False, **sizes,
+                    model_fn, step=step, optimizations=others, dtype=dtype, batch_size=batch,
+                    seed=seed, progress=False, parallel=parallel, **sizes,
                 )  # fmt: skip
                 tl.meta.update(size=size)
                 _store(key, tl)
