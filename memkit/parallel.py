@@ -216,6 +216,9 @@ class FSDP:
         }
         hooks: list = []
         try:
+            for path in _CALLED_OUTSIDE.get(type(model).__name__, ()):
+                with contextlib.suppress(AttributeError):  # a config without it (Transformer2DModel's other norms)
+                    fully_shard(model.get_submodule(path), **kwargs)
             for block in _blocks(model):
                 fully_shard(block, **kwargs)
             fully_shard(model, **kwargs)
@@ -393,6 +396,16 @@ def on_local_shards(optimizer: torch.optim.Optimizer | None) -> torch.optim.Opti
     shards.register_step_pre_hook(hand_over)
     shards.zero_grad = zero_grad  # type: ignore[method-assign]
     return shards
+
+
+# Submodules of a block that the model's own forward also calls outside that block: diffusers' DiT and
+# Transformer2DModel take the output's conditioning from the first block's ``norm1.emb`` after every block has run
+# (and resharded). Each gets its own ``fully_shard``, so it is gathered wherever it is called, as an FSDP2 user of
+# these models must do (sharded with its block only, the call fails: "got mixed torch.Tensor and DTensor").
+_CALLED_OUTSIDE: dict[str, tuple[str, ...]] = {
+    "DiTTransformer2DModel": ("transformer_blocks.0.norm1.emb",),
+    "Transformer2DModel": ("transformer_blocks.0.norm1.emb",),
+}
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -650,3 +650,12 @@ def test_instrument_wraps_fsdp2_s_internals_restores_them_and_warns_where_torch_
     assert len(said) == 1 and (said[0].filename == __file__ or "/mutmut/" in said[0].filename)
     assert "FSDP2's buffers cannot be categorized with this torch" in str(said[0].message)
     assert "_fully_shard" in str(said[0].message)  # the import error, named
+
+
+def test_dit_shards_the_embedding_its_forward_calls_after_the_blocks():
+    # DiT takes the output's conditioning from transformer_blocks[0].norm1.emb after every block ran: sharded with
+    # block 0 alone, that call fails ("got mixed torch.Tensor and DTensor"); as its own unit it is gathered there
+    one, two = (memkit.estimate("dit", size="tiny", progress=False, parallel=memkit.FSDP(world_size=n)) for n in (1, 2))
+    params = [tl.baseline_by_category["parameter"] for tl in (one, two)]
+    assert params[1] < params[0] < 2 * params[1] + 4096  # halved, up to each unit's 512-byte rounding
+    assert two.peak_bytes < one.peak_bytes
