@@ -24,8 +24,10 @@ going down in the backward (the second); it stands for every block but the first
 Byte-equal to running every block (``estimate(..., memoize=False)``) on every preset and every supported
 setting (``tests/test_memo.py``). Settings whose memory is not a sum over blocks, or whose blocks differ from one
 another, run every block (:func:`unsupported` says why): an EMA or offload (state kept as one buffer or off the
-device), FSDP (spliced, its peak came out wrong: its hooks gather and free parameters around the blocks),
-checkpointing patterns that pick some blocks, a model without a list of identical middle blocks. Where the
+device), checkpointing patterns that pick some blocks, a model without a list of identical middle blocks. FSDP is
+memoized: the tagger's pre-hook runs before FSDP's, so a block's gather, reshard and the free of the gather before
+it are the block's events, and FSDP's input wrapping is a node of the block; with ``cpu_offload`` (shards in host
+memory) it runs every block. Where the
 probe's events do not fit the splice (:class:`Unsupported`), the estimate runs every block and says why.
 """
 
@@ -87,8 +89,6 @@ def unsupported(optimizations: Sequence[Any], parallel: Any) -> str | None:
     from .optimizations.checkpointing import Checkpointing
     from .optimizations.feedforward import FFSplit
 
-    if parallel is not None:  # its hooks gather and free around the blocks: spliced, FSDP's peak came out wrong
-        return "FSDP gathers and frees each block's parameters in hooks the probe does not place yet"
     for o in optimizations:
         if isinstance(o, FFSplit):
             continue
@@ -197,6 +197,7 @@ class Tagger:
         self.base: dict[int, Any] = {}  # baseline storage key -> its tracker entry
         self.base_owner: dict[int, tuple[int, int]] = {}
         self.stack: list[tuple[int, int]] = []
+        self.inputs: list[tuple] = []  # the arguments each block on the stack was called with
         self.sticky: tuple[int, int] | None = None
         self.node: dict[int, tuple[int, int]] = {}  # autograd node sequence number -> block
         self.op_owner: Any = None
@@ -232,7 +233,8 @@ class Tagger:
         for _, _, blocks in self.lists:
             for block in blocks:
                 self.handles += [
-                    block.register_forward_pre_hook(self._block_pre, with_kwargs=True),
+                    # first, before hooks that gather the block's parameters (FSDP's) or replace its inputs
+                    block.register_forward_pre_hook(self._block_pre, with_kwargs=True, prepend=True),
                     block.register_forward_hook(self._block_post, with_kwargs=True, always_call=True),
                 ]
 
@@ -258,6 +260,8 @@ class Tagger:
         if optimizer is not None:
             for p, state in optimizer.state.items():
                 owner = self.tensor_owner.get(id(p))
+                if owner is None:  # a parameter the optimizer holds as its local shard (FSDP): by its storage
+                    owner = next((keys[k] for k in storages(p) if k in keys), None)
                 if owner is not None:
                     for v in state.values():
                         if isinstance(v, torch.Tensor):
@@ -271,16 +275,19 @@ class Tagger:
 
     def _block_pre(self, module, args, kwargs) -> None:
         self.stack.append(self.block[id(module)])
+        self.inputs.append((args, kwargs))  # as the caller gave them: later pre-hooks may wrap them (FSDP)
 
     def _block_post(self, module, args, kwargs, output) -> None:
         tag = self.block[id(module)]
+        called = (args, kwargs)
         if self.stack:
             self.stack.pop()
+            called = self.inputs.pop()  # the nodes of FSDP's input wrapping are the block's own
         if self.stack:
             return
         self.sticky = tag
         if torch.is_grad_enabled() and not _compat.graph_task_running():
-            self._map_nodes(tag, (args, kwargs), output)
+            self._map_nodes(tag, called, output)
 
     def _map_nodes(self, tag, args, output) -> None:
         """The autograd nodes this block's forward made: everything reachable from its outputs' nodes before

@@ -221,3 +221,16 @@ def test_an_unwritable_cache_folder_warns_and_the_estimate_goes_on(store, monkey
     with pytest.warns(UserWarning, match="cannot be written"):
         tl = memkit.estimate("dit", size="tiny", progress=False, memoize=False)
     assert tl.peak_bytes > 0
+
+
+def test_ops_over_long_tensor_lists_stay_out_of_the_file(fake):
+    # a foreach over every parameter of a model run whole is its own signature, and megabytes to read back: kept
+    # in the process, not written (a 20 MB file once took longer to read than the estimate it sped up)
+    cache = FakeDispatchCache()
+    for n in (_fake_dispatch._DISK_LIST, _fake_dispatch._DISK_LIST + 1):
+        cache(aten._foreach_add.Scalar, ([torch.empty(2)] * n, 1.0), {})
+    assert len(_fake_dispatch._ENTRIES) == 2
+    _fake_dispatch.save()
+    with open(_fake_dispatch.cache_file()) as f:
+        written = json.load(f)["entries"]
+    assert [len(key["T"][0]["T"][1]["T"][0]["T"][1]["T"]) for _, key, _ in written] == [_fake_dispatch._DISK_LIST]

@@ -110,6 +110,32 @@ def test_other_presets_settings(preset, setting):
     assert_same(*both(deep(preset), **SETTINGS[setting]))
 
 
+FSDP = {
+    "fsdp-2": ("flux", dict(parallel=memkit.FSDP(world_size=2))),
+    "fsdp-4-checkpointing": ("flux", dict(parallel=memkit.FSDP(world_size=4), optimizations=[memkit.Checkpointing()])),
+    "fsdp-keep-unsharded": ("wan", dict(parallel=memkit.FSDP(world_size=2, reshard_after_forward=False))),
+    "fsdp-fp16-params": ("flux", dict(parallel=memkit.FSDP(world_size=2, mixed_precision=torch.float16))),
+    "fsdp-8-ff-split": ("sd3", dict(parallel=memkit.FSDP(world_size=8), optimizations=[memkit.FFSplit(splits=2)])),
+    "fsdp-ltx": ("ltx-video", dict(parallel=memkit.FSDP(world_size=2), optimizer="sgd", steps=3)),
+    "fsdp-pixart": ("pixart", dict(parallel=memkit.FSDP(world_size=2))),
+    # optimizer state before the measured step: the optimizer holds local shards, owned by their blocks' storage
+    "fsdp-adam-3-steps": (
+        "wan",
+        dict(parallel=memkit.FSDP(world_size=4), optimizer="adam", steps=3, optimizations=[memkit.Checkpointing()]),
+    ),
+    "fsdp-3-batch-2": ("flux", dict(parallel=memkit.FSDP(world_size=3), batch_size=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FSDP))
+def test_fsdp(case):
+    # FSDP's hooks gather each block's parameters before its forward, reshard after it, free the last gather's
+    # buffer in the next block's, gather the block before in each block's backward (prefetch) and reduce-scatter
+    # its gradients: every one of them tagged to the block whose hook or autograd node ran it
+    preset, kwargs = FSDP[case]
+    assert_same(*both(deep(preset), **kwargs))
+
+
 def test_memoized_estimate_runs_only_the_probe():
     """The probe keeps four blocks per list: the tracker sees fewer events than the timeline holds."""
     seen = []
@@ -136,8 +162,8 @@ def test_memoized_estimate_runs_only_the_probe():
         (dict(optimizations=[memkit.Checkpointing(pattern="every:2")]), "checkpoints some blocks"),
         (dict(optimizations=[memkit.EMA()]), "EMA is not memoized"),
         (dict(memoize=False), "memoize=False"),
-        # spliced like the rest, FSDP's peak came out wrong (its hooks gather and free around the blocks): refused
-        (dict(parallel=memkit.FSDP(world_size=2)), "FSDP gathers"),
+        # shards offloaded to host memory: not a device timeline the splice repeats
+        (dict(parallel=memkit.FSDP(world_size=2, cpu_offload=True)), "keeps memory off the device"),
     ],
 )
 def test_what_is_not_memoized_says_why(kwargs, reason):
@@ -182,6 +208,7 @@ def test_a_probe_that_does_not_split_falls_back(monkeypatch):
         ("flux", dict(optimizations=[memkit.Checkpointing()])),
         ("wan", dict(optimizations=[memkit.FFSplit(splits=4)])),
         ("ltx-video", dict(optimizations=[memkit.Checkpointing(provider="selective"), memkit.FFSplit(splits=2)])),
+        ("wan", dict(parallel=memkit.FSDP(world_size=8))),
     ],
 )
 def test_full_size(preset, kwargs):

@@ -277,6 +277,8 @@ def save() -> None:
     path = cache_file()
     mine = []
     for k, v in list(_ENTRIES.items()):
+        if not _small(k[1]):
+            continue  # a foreach op over every parameter of a model run whole: its own, and large to read back
         try:
             mine.append([_op_name(_FUNCS[k[0]]), _enc(k[1:]), _enc(v)])
         except (KeyError, TypeError):  # an op or a container type the file cannot name: kept in the process only
@@ -296,6 +298,14 @@ def save() -> None:
         _disk["saved"] = len(_ENTRIES)
     except OSError as e:
         _warn_once("written", path, e)
+
+
+_DISK_LIST = 64  # the longest tensor list a key on disk holds
+
+
+def _small(args_key: tuple) -> bool:
+    """Whether no list argument of a key (what :func:`_key_of` makes of an op's args) is longer than _DISK_LIST."""
+    return not any(len(a) == 2 and a[0] in (list, tuple) and len(a[1]) > _DISK_LIST for a in args_key[1])
 
 
 def _read_once() -> None:
