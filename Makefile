@@ -50,7 +50,8 @@ test: $(STAMP)
 	$(MAKE) browser-test colab-test
 
 # The edit-test loop: the unit tests not marked slow (the `slow` marker, pyproject.toml: every preset trained, the
-# CPU-path subprocesses, the README), in TEST_WORKERS processes, no coverage, no notebooks. `make test` runs them all.
+# CPU-path subprocesses, fresh interpreters, the README, preset x setting pairs a fast test's code path covers), in
+# TEST_WORKERS processes, no coverage, no notebooks; ~280 CPU-seconds (bench/RESULTS.md). `make test` runs them all.
 .PHONY: test-fast
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not slow" -n $(TEST_WORKERS) --durations=15

@@ -61,6 +61,7 @@ def test_the_estimation_module_s_names_are_the_ledger_s():
         assert getattr(memkit.estimation, name) is getattr(placement, name)
 
 
+@pytest.mark.slow  # a fresh interpreter importing memkit and torch: seconds
 def test_optimizations_see_the_plan_without_memkit_estimation_imported():
     # before: they looked memkit.estimation up in sys.modules, so a plan made without importing it went unseen
     code = (

@@ -195,6 +195,7 @@ def test_categories_figure_sums_to_peak(tracked):
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"), reason="PNG export needs Chromium at /usr/bin/chromium")
+@pytest.mark.slow  # kaleido starts Chromium: seconds
 def test_png_export(tracked, monkeypatch):
     monkeypatch.setenv("BROWSER_PATH", "/usr/bin/chromium")
     png = plots.timeline_figure(tracked[0]).to_image(format="png", width=600, height=300)

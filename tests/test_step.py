@@ -106,6 +106,7 @@ def test_step_is_keyword_only_and_frozen():
         Step().bind("flux")
 
 
+@pytest.mark.slow  # a fresh interpreter importing memkit, torch and diffusers: seconds
 def test_importing_plots_or_the_timeline_does_not_load_torch():
     code = (
         "import sys, memkit, memkit.plots, memkit.memory\n"
