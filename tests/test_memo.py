@@ -151,7 +151,10 @@ FSDP = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(FSDP))
+@pytest.mark.parametrize(
+    "case",
+    [c if c in ("fsdp-2", "fsdp-adam-3-steps") else pytest.param(c, marks=pytest.mark.slow) for c in sorted(FSDP)],
+)
 def test_fsdp(case):
     # FSDP's hooks gather each block's parameters before its forward, reshard after it, free the last gather's
     # buffer in the next block's, gather the block before in each block's backward (prefetch) and reduce-scatter
