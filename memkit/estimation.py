@@ -256,7 +256,7 @@ def estimate(
         seconds=time.perf_counter() - t0,
     )
     _store(key, timeline)
-    _fake_dispatch.save()  # what fake dispatch learned, for the next process
+    _fake_dispatch.save_soon()  # what fake dispatch learned, for the next process
     return timeline
 
 

@@ -29,7 +29,7 @@ def store(monkeypatch, tmp_path):
     """An empty process-wide store and cache file (what a fresh process on a fresh machine has)."""
     monkeypatch.setenv("MEMKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_fake_dispatch, "_ENTRIES", {})
-    monkeypatch.setattr(_fake_dispatch, "_disk", {"read": False, "saved": 0, "warned": set()})
+    monkeypatch.setattr(_fake_dispatch, "_disk", _fake_dispatch._fresh_disk())
     return tmp_path
 
 
@@ -245,3 +245,21 @@ def test_ops_over_long_tensor_lists_stay_out_of_the_file(fake):
     with open(_fake_dispatch.cache_file()) as f:
         written = json.load(f)["entries"]
     assert [len(key["T"][0]["T"][1]["T"][0]["T"][1]["T"]) for _, key, _ in written] == [_fake_dispatch._DISK_LIST]
+
+
+def test_a_process_writes_the_file_at_once_then_at_most_every_save_every_seconds(store):
+    # a test suite or a widget makes hundreds of estimates: each rewrote the whole file (~1 s) before
+
+    def on_disk() -> int:
+        with open(_fake_dispatch.cache_file()) as f:
+            return len(json.load(f)["entries"])
+
+    with FakeTensorMode():
+        cache = FakeDispatchCache()
+        for n in range(1, 4):
+            cache(aten.mm.default, (torch.empty(n, 2), torch.empty(2, 3)), {})
+            _fake_dispatch.save_soon()
+            assert on_disk() == 1  # the first at once, the next two left for later (or the exit)
+    _fake_dispatch._disk["at"] -= _fake_dispatch._SAVE_EVERY
+    _fake_dispatch.save_soon()
+    assert on_disk() == 3 and _fake_dispatch._disk["atexit"]

@@ -25,8 +25,10 @@ file.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import time
 import warnings
 from typing import Any
 
@@ -71,7 +73,15 @@ _ENTRIES_KEPT = 200_000  # ~100 bytes each; past it the store starts again
 _OPS: dict[int, int] = {}  # id(func) -> 0 never, 1 new tensors, 2 in place, 3 view, 4 prim.device, 5 item
 _FUNCS: dict[int, Any] = {}  # id(func) -> func, for the file's op names
 _FORMAT = 1  # the file's: bump when what an entry means changes
-_disk = {"read": False, "saved": 0, "warned": set()}
+_SAVE_EVERY = 30.0  # seconds between writes while a process keeps learning (the rest is written at its exit)
+
+
+def _fresh_disk() -> dict:
+    """The file's state in a process: read yet, entries written, when last written, exit hook, warnings given."""
+    return {"read": False, "saved": 0, "at": float("-inf"), "atexit": False, "warned": set()}
+
+
+_disk = _fresh_disk()
 
 
 class FakeDispatchCache:
@@ -265,15 +275,33 @@ def cache_file() -> str:
     return os.path.join(root, f"fake-dispatch-torch{torch.__version__}-v{_FORMAT}.json")
 
 
+def save_soon() -> None:
+    """:func:`save` now if the last write is :data:`_SAVE_EVERY` seconds old (a process's first estimate is written
+    at once), else at the process's exit: ``memkit.estimate`` calls it after each estimate, and a widget or a test
+    suite making hundreds of them rewrites the file twice a minute at most.
+
+    Example:
+        >>> memkit.estimate("flux", size="full"); _fake_dispatch.save_soon()
+    """
+    if len(_ENTRIES) == _disk["saved"]:
+        return
+    if not _disk["atexit"]:
+        _disk["atexit"] = True
+        atexit.register(lambda: save())  # the module's save at exit, whatever _disk is then
+    if time.monotonic() - _disk["at"] >= _SAVE_EVERY:
+        save()
+
+
 def save() -> None:
     """Write what this process learned to :func:`cache_file` (merged with what other processes wrote meanwhile,
-    replaced atomically); nothing to do when nothing is new. ``memkit.estimate`` calls it after each estimate.
+    replaced atomically); nothing to do when nothing is new.
 
     Example:
         >>> memkit.estimate("flux", size="full"); _fake_dispatch.save()   # the next process starts faster
     """
     if len(_ENTRIES) == _disk["saved"]:
         return
+    _disk["at"] = time.monotonic()
     path = cache_file()
     mine = []
     for k, v in list(_ENTRIES.items()):
