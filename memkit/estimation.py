@@ -40,7 +40,6 @@ from tqdm.auto import tqdm
 
 from . import _memo, _splice
 from .handle import Optimization, apply_all
-from .memory import _fake_dispatch
 from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
@@ -256,7 +255,6 @@ def estimate(
         seconds=time.perf_counter() - t0,
     )
     _store(key, timeline)
-    _fake_dispatch.save_soon()  # what fake dispatch learned, for the next process
     return timeline
 
 

@@ -14,22 +14,15 @@ device; every other argument by type and value) and, from the second time on:
 Everything else goes to ``FakeTensorMode`` as before: views (which must share their base's storage), ops tagged
 random, data-dependent or dynamic-shape, ops on constants (``torch.tensor(0.)``, whose values fake tensors
 propagate), outputs that are not plain fake tensors, or whose storage is larger than their extent, or shared.
-What it learns is kept for the process (the next estimate, a widget's next setting, starts with it) and on disk
-(:func:`save`, :func:`cache_file`: a JSON file per torch version in the user's cache folder or ``MEMKIT_CACHE_DIR``,
-read once per process), so a fresh process, each CLI call, starts with what earlier ones learned. Entries are
-metadata only; a file that cannot be read or written is ignored with a warning, never an error.
+What it learns is kept for the process: the next estimate (a widget's next setting) starts with it. Entries are
+metadata only. (Kept on disk across processes, it saved ~0.2 s of a 2.6 s full Flux estimate, and reading and
+merging the file grew with it: 6.8 MB after one CI run made a first estimate 12 s. It is not.)
 
-``tests/test_fake_dispatch.py`` checks that estimates are byte-equal with the cache on and off, and through the
-file.
+``tests/test_fake_dispatch.py`` checks that estimates are byte-equal with the cache on and off.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
-import time
-import warnings
 from typing import Any
 
 import torch
@@ -71,17 +64,6 @@ def _meta(t: torch.Tensor) -> tuple:
 _ENTRIES: dict[tuple, Any] = {}
 _ENTRIES_KEPT = 200_000  # ~100 bytes each; past it the store starts again
 _OPS: dict[int, int] = {}  # id(func) -> 0 never, 1 new tensors, 2 in place, 3 view, 4 prim.device, 5 item
-_FUNCS: dict[int, Any] = {}  # id(func) -> func, for the file's op names
-_FORMAT = 1  # the file's: bump when what an entry means changes
-_SAVE_EVERY = 30.0  # seconds between writes while a process keeps learning (the rest is written at its exit)
-
-
-def _fresh_disk() -> dict:
-    """The file's state in a process: read yet, entries written, when last written, exit hook, warnings given."""
-    return {"read": False, "saved": 0, "at": float("-inf"), "atexit": False, "warned": set()}
-
-
-_disk = _fresh_disk()
 
 
 class FakeDispatchCache:
@@ -95,7 +77,6 @@ class FakeDispatchCache:
     """
 
     def __init__(self) -> None:
-        _read_once()
         self._entries = _ENTRIES
         self._ops = _OPS
         self.mode = None  # the estimate's FakeTensorMode, from the first fake tensor an op gives
@@ -124,7 +105,6 @@ class FakeDispatchCache:
                 elif schema.is_mutable and schema.name.endswith("_"):  # add_, _foreach_mul_: not out= variants
                     kind = 2
             self._ops[id(func)] = kind
-            _FUNCS[id(func)] = func
         return kind
 
     def __call__(self, func, args: tuple, kwargs: dict) -> Any:
@@ -258,173 +238,3 @@ def _view(mode, storage, info) -> FakeTensor:
         empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
         empty.set_(storage, offset, shape, stride)
     return FakeTensor(mode, empty, device)
-
-
-# -- the file ----------------------------------------------------------------------------------------------------
-def cache_file() -> str:
-    """The file fake dispatch answers are kept in across processes: one per torch version (meta kernels decide
-    them), in ``MEMKIT_CACHE_DIR`` or the user's cache folder.
-
-    Example:
-        >>> from memkit.memory import _fake_dispatch
-        >>> _fake_dispatch.cache_file()   # e.g. ~/.cache/memkit/fake-dispatch-torch2.13.0-v1.json
-    """
-    from platformdirs import user_cache_dir
-
-    root = os.environ.get("MEMKIT_CACHE_DIR") or user_cache_dir("memkit")
-    return os.path.join(root, f"fake-dispatch-torch{torch.__version__}-v{_FORMAT}.json")
-
-
-def save_soon() -> None:
-    """:func:`save` now if the last write is :data:`_SAVE_EVERY` seconds old (a process's first estimate is written
-    at once), else at the process's exit: ``memkit.estimate`` calls it after each estimate, and a widget or a test
-    suite making hundreds of them rewrites the file twice a minute at most.
-
-    Example:
-        >>> memkit.estimate("flux", size="full"); _fake_dispatch.save_soon()
-    """
-    if len(_ENTRIES) == _disk["saved"]:
-        return
-    if not _disk["atexit"]:
-        _disk["atexit"] = True
-        atexit.register(lambda: save())  # the module's save at exit, whatever _disk is then
-    if time.monotonic() - _disk["at"] >= _SAVE_EVERY:
-        save()
-
-
-def save() -> None:
-    """Write what this process learned to :func:`cache_file` (merged with what other processes wrote meanwhile,
-    replaced atomically); nothing to do when nothing is new.
-
-    Example:
-        >>> memkit.estimate("flux", size="full"); _fake_dispatch.save()   # the next process starts faster
-    """
-    if len(_ENTRIES) == _disk["saved"]:
-        return
-    _disk["at"] = time.monotonic()
-    path = cache_file()
-    mine = []
-    for k, v in list(_ENTRIES.items()):
-        if not _small(k[1]):
-            continue  # a foreach op over every parameter of a model run whole: its own, and large to read back
-        try:
-            mine.append([_op_name(_FUNCS[k[0]]), _enc(k[1:]), _enc(v)])
-        except (KeyError, TypeError):  # an op or a container type the file cannot name: kept in the process only
-            pass
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            theirs = _read(path)
-        except (OSError, ValueError):
-            theirs = []
-        known = {json.dumps(e[:2]) for e in mine}
-        merged = mine + [e for e in theirs if json.dumps(e[:2]) not in known]
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"format": _FORMAT, "torch": torch.__version__, "entries": merged[:_ENTRIES_KEPT]}, f)
-        os.replace(tmp, path)
-        _disk["saved"] = len(_ENTRIES)
-    except OSError as e:
-        _warn_once("written", path, e)
-
-
-_DISK_LIST = 64  # the longest tensor list a key on disk holds
-
-
-def _small(args_key: tuple) -> bool:
-    """Whether no list argument of a key (what :func:`_key_of` makes of an op's args) is longer than _DISK_LIST."""
-    return not any(len(a) == 2 and a[0] in (list, tuple) and len(a[1]) > _DISK_LIST for a in args_key[1])
-
-
-def _read_once() -> None:
-    if _disk["read"]:
-        return
-    _disk["read"] = True
-    path = cache_file()
-    if not os.path.exists(path):
-        return
-    try:
-        entries = _read(path)
-        for name, key, value in entries:
-            func = _op(name)
-            if func is not None:
-                _FUNCS[id(func)] = func
-                _ENTRIES.setdefault((id(func), *_dec(key)), _dec(value))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        _warn_once("read", path, e)
-    _disk["saved"] = len(_ENTRIES)
-
-
-def _read(path: str) -> list:
-    with open(path) as f:
-        data = json.load(f)
-    if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("torch") != torch.__version__:
-        raise ValueError(f"not a format-{_FORMAT} fake dispatch cache of torch {torch.__version__}")
-    entries = data.get("entries")
-    if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 3 for e in entries):
-        raise ValueError("its entries are not [op, key, value] triples")
-    return entries
-
-
-def _warn_once(what: str, path: str, e: Exception) -> None:
-    if what not in _disk["warned"]:
-        _disk["warned"].add(what)
-        warnings.warn(
-            f"memkit: the fake dispatch cache {path} cannot be {what} ({type(e).__name__}: {e}); it is ignored, "
-            "and each process learns its estimates' ops again",
-            stacklevel=3,
-        )
-
-
-def _op_name(func) -> str:
-    return f"{func._schema.name.split('::', 1)[1]}.{func._overloadname}"
-
-
-def _op(name: str):
-    packet, _, overload = name.rpartition(".")
-    try:
-        return getattr(getattr(torch.ops.aten, packet), overload)
-    except (AttributeError, RuntimeError):
-        return None  # an op this torch does not have: its entries are not used
-
-
-_TYPES = {t.__name__: t for t in (*_SCALARS, list, tuple)}
-_NAMED = {"dt": torch.dtype, "mf": torch.memory_format, "ly": torch.layout}
-
-
-def _enc(x: Any) -> Any:
-    """JSON for a key or an entry: tagged objects for what JSON has not (tuples, dtypes, devices, types)."""
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, tuple):
-        return {"T": [_enc(v) for v in x]}
-    if isinstance(x, list):
-        return {"L": [_enc(v) for v in x]}
-    if isinstance(x, torch.device):
-        return {"dv": str(x)}
-    if isinstance(x, type) and x.__name__ in _TYPES:
-        return {"ty": x.__name__}
-    for tag, kind in _NAMED.items():
-        if isinstance(x, kind):
-            return {tag: str(x).removeprefix("torch.")}
-    raise TypeError(f"cannot write a {type(x).__name__} to the fake dispatch cache")
-
-
-def _dec(x: Any) -> Any:
-    if not isinstance(x, dict):
-        if isinstance(x, list):
-            raise ValueError("a bare list")
-        return x
-    ((tag, v),) = x.items()
-    if tag == "T":
-        return tuple(_dec(e) for e in v)
-    if tag == "L":
-        return [_dec(e) for e in v]
-    if tag == "dv":
-        return torch.device(v)
-    if tag == "ty":
-        return _TYPES[v]
-    value = getattr(torch, v)
-    if not isinstance(value, _NAMED[tag]):
-        raise ValueError(f"torch.{v} is not a {_NAMED[tag].__name__}")
-    return value
