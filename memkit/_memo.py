@@ -88,9 +88,10 @@ def unsupported(optimizations: Sequence[Any], parallel: Any) -> str | None:
     """Why an estimate with these settings runs every block, or None when it can be memoized."""
     from .optimizations.checkpointing import Checkpointing
     from .optimizations.feedforward import FFSplit
+    from .optimizations.lora import LoRA
 
     for o in optimizations:
-        if isinstance(o, FFSplit):
+        if isinstance(o, (FFSplit, LoRA)):  # the same adapters in every block of a list
             continue
         if isinstance(o, Checkpointing):
             if o.budget_bytes is not None or not isinstance(o.pattern, str) or o.pattern not in ("all", "none"):
@@ -374,7 +375,10 @@ class Tagger:
             self.owner.pop(row[8], None)
 
 
-def parameters(lists: list[tuple[str, int, nn.ModuleList]], probe_parameters: int) -> int:
-    """The full model's parameter count from the probe's."""
-    extra = sum((n - PROBE) * sum(p.numel() for p in blocks[1].parameters()) for _, n, blocks in lists)
+def parameters(lists: list[tuple[str, int, nn.ModuleList]], probe_parameters: int, *, trainable: bool = False) -> int:
+    """The full model's parameter count from the probe's (``trainable``: of the parameters that require grad)."""
+    extra = sum(
+        (n - PROBE) * sum(p.numel() for p in blocks[1].parameters() if p.requires_grad or not trainable)
+        for _, n, blocks in lists
+    )
     return probe_parameters + extra

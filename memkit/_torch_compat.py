@@ -22,10 +22,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from types import SimpleNamespace
 from typing import Any
@@ -146,6 +147,47 @@ def swap_outside_dispatch(get_rng_state: Callable, resize: Callable) -> tuple[Ca
     saved = torch.get_rng_state, torch.UntypedStorage.resize_
     torch.get_rng_state, torch.UntypedStorage.resize_ = get_rng_state, resize
     return saved
+
+
+@contextlib.contextmanager
+def fake_module_to() -> Iterator[None]:
+    """torch 2.8-2.14: while active, ``Module.to(...)`` on a module whose parameters or buffers are fake tensors
+    gives each one that must change dtype a new fake tensor of the new dtype (same shape, strides and fake device),
+    instead of torch's swap, which a fake parameter refuses ("Couldn't swap": it carries a weakref of the fake
+    mode's). Device moves keep the fake device: an estimate's fake CPU tensors stand for the planned device.
+    Modules of real tensors go through torch's own ``to``. For libraries that move the modules they build (peft's
+    adapters) inside an estimate; the replaced tensors are new objects, so call it before anything holds them.
+
+    Example:
+        >>> with FakeTensorMode(), fake_module_to():
+        ...     torch.nn.Linear(4, 2).to(torch.bfloat16).weight.dtype      # torch.bfloat16
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        tensors = [*self.parameters(), *self.buffers()]
+        if not tensors or not any(isinstance(t, FakeTensor) for t in tensors):
+            return original(self, *args, **kwargs)
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        for module in self.modules():
+            for store in (module._parameters, module._buffers):
+                for key, t in store.items():
+                    if t is None or dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex()):
+                        continue
+                    new = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=t.device)
+                    store[key] = (
+                        torch.nn.Parameter(new, requires_grad=t.requires_grad) if store is module._parameters else new
+                    )
+        return self
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
 
 
 # --- CPU feature probes and the profiler ---------------------------------------------------------------------------

@@ -139,7 +139,9 @@ def estimate(
             list run every block; ``meta["memoized"]`` says which happened and ``meta["memo"]`` why. False runs
             every block (the reference the memoized timeline is tested against).
 
-    Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count,
+    Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count
+    (``parameters``; ``trainable_parameters``: those the step trains, e.g. only the adapters under
+    :class:`memkit.LoRA`, 0 in inference),
     ``measured`` (``"first and steady"``, ``"first"``, ``"steady"`` or ``"inference"``), ``step_starts`` (the
     index of each measured step's first event), ``first_step_peak_bytes`` and ``steady_peak_bytes`` (None where
     that step was not measured; in inference both are the one pass's peak: no state lives across passes),
@@ -227,7 +229,7 @@ def estimate(
                 why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"
     if measured is None:
         measured = _measure(**run, memoize=False)
-    timeline, starts, params, host_bytes, disk = measured
+    timeline, starts, (params, trainable), host_bytes, disk = measured
     first, steady = _step_peaks(timeline, step, starts)
     timeline.meta.update(
         estimate=True,
@@ -246,6 +248,7 @@ def estimate(
         optimizations=[str(o) for o in optimizations],
         parallel=str(parallel) if parallel is not None else None,
         parameters=params,
+        trainable_parameters=trainable if step.training else 0,
         host_bytes=host_bytes,
         disk_bytes=disk,
         memoized=why_not is None,
@@ -290,6 +293,12 @@ def _measure(
             runner = step.bind(net, handle)
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)
+            # counted while the optimizations are applied (LoRA's adapters exist, the base is frozen)
+            params = sum(p.numel() for p in net.parameters())
+            trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+            if lists:
+                params = _memo.parameters(lists, params)
+                trainable = _memo.parameters(lists, trainable, trainable=True)
             bar.update()
             for i in range(n - tracked):
                 bar.set_postfix_str(f"step {i + 1}/{n}")
@@ -323,15 +332,13 @@ def _measure(
                 finally:
                     if tagger is not None:
                         tagger.remove()
-        params = sum(p.numel() for p in net.parameters())
         if tagger is not None:
             timeline, starts = _spliced(tagger, tracker, timeline, starts)
-            params = _memo.parameters(lists, params)
         # noted state (the most alive at once: gradients and optimizer state of a host optimizer come and go)
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
-    return timeline, starts, params, host_bytes, sum(plan.disk)
+    return timeline, starts, (params, trainable), host_bytes, sum(plan.disk)
 
 
 def _active_tracker():

@@ -68,7 +68,14 @@ def assert_same(memo: memkit.Timeline, slow: memkit.Timeline) -> None:
     assert (memo.ops, memo.devices) == (slow.ops, slow.devices)
     assert _pairs(memo) == _pairs(slow)
     assert memo.baseline_by_category == slow.baseline_by_category
-    for key in ("parameters", "step_starts", "first_step_peak_bytes", "steady_peak_bytes", "host_bytes"):
+    for key in (
+        "parameters",
+        "trainable_parameters",
+        "step_starts",
+        "first_step_peak_bytes",
+        "steady_peak_bytes",
+        "host_bytes",
+    ):
         assert memo.meta[key] == slow.meta[key], key
     assert memo.peak_bytes == slow.peak_bytes
 
@@ -96,6 +103,8 @@ SETTINGS = {
     "inference": dict(mode="inference"),
     "fp32-cpu": dict(device="cpu", dtype=torch.float32, optimizer="adam"),
     "batch-2": dict(batch_size=2),
+    "lora": dict(optimizations=[memkit.LoRA(rank=4)]),
+    "dora-checkpointing": dict(optimizations=[memkit.LoRA(rank=4, dora=True), memkit.Checkpointing()]),
 }
 
 
@@ -103,7 +112,8 @@ SETTINGS = {
 # fast set runs each setting once, Flux (two block lists) for most, Wan and LTX-Video (one list each) for the rest;
 # `make test` runs every pair.
 FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "inference": "ltx-video",
-               "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video"}  # fmt: skip
+               "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video",
+               "dora-checkpointing": "wan"}  # fmt: skip
 
 
 def _pairs_of(presets, settings, fast):

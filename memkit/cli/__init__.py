@@ -109,6 +109,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux                          # full Flux, bf16 AdamW training step, GiB\n"
         "  memkit estimate flux --checkpointing all      # the same with gradient checkpointing\n"
         "  memkit estimate ltx-video --checkpointing auto --budget 20GiB   # the fewest blocks that fit\n"
+        "  memkit estimate flux --lora 16                # LoRA rank 16 (peft) on the script's default layers\n"
         "  memkit estimate flux --fsdp 8                 # per GPU, sharded over 8 GPUs with FSDP2\n"
         "  memkit estimate flux --fsdp 8,cpu-offload     # the same, shards and optimizer in CPU memory\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
@@ -159,6 +160,12 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     group = p.add_argument_group("optimizations (several compose, applied in this order)")
     specs = optimization_specs()
     add_optimization_flags(group, specs)
+    group.add_argument(
+        "--dora",
+        action="store_true",
+        help="with --lora: weight-decomposed LoRA (peft's use_dora), which materialises each adapted layer's "
+        "weight in the forward (the same as --lora RANK:dora)",
+    )
     group.add_argument(
         "--budget",
         metavar="SIZE",

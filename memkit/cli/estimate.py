@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     check_preset(args.preset)
     auto = _auto_checkpointing(args)
     optimizations, parallel = _parallel(args, optimizations_from(args, args.optimization_specs))
+    if getattr(args, "dora", False):
+        lora = [o for o in optimizations if isinstance(o, memkit.LoRA)]
+        if not lora:
+            raise CLIError("--dora goes with --lora RANK (DoRA is a kind of LoRA): e.g. --lora 16 --dora")
+        optimizations = [dataclasses.replace(o, dora=True) if o is lora[0] else o for o in optimizations]
     training = args.mode == "training"
     optimizer = args.optimizer
     if not training and optimizer not in (None, "none"):
@@ -135,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         "optimizations": [str(o) for o in optimizations],
         "parallel": str(parallel) if parallel is not None else None,
         "parameters": meta["parameters"],
+        "trainable_parameters": meta["trainable_parameters"],
         "events": len(timeline),
         "baseline_bytes": timeline.baseline_bytes,
         "peak_bytes": timeline.peak_bytes,
@@ -185,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     rows = [
         ("parameters", fmt_count(meta["parameters"])),
+        *([("  trainable", fmt_count(meta["trainable_parameters"]))] if training else []),
         (f"baseline ({args.unit})", f"{timeline.baseline_bytes / div:{num}}"),
         (f"peak ({args.unit}, {_which(meta)})", f"{timeline.peak_bytes / div:{num}}"),
     ]

@@ -1,0 +1,225 @@
+"""LoRA through peft: trainable counts equal peft's own, only the adapters train, estimates equal real runs.
+
+The oracle for every count is peft itself, run independently of memkit (``inject_adapter_in_model`` with the same
+config on a fresh model: real at tiny size, on the meta device at full size); the oracle for memory is a real CPU
+step tracked by the same tracker, and the adapters' own bytes summed from the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memkit
+from memkit.optimizations import lora as lora_mod
+from memkit.optimizations.lora import LoRA, default_targets
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")
+
+
+def peft_count(model: torch.nn.Module, rank: int, targets, dora: bool = False) -> int:
+    """peft's own trainable count for ``model`` with a rank-``rank`` adapter on ``targets`` (model frozen first)."""
+    model.requires_grad_(False)
+    config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), use_dora=dora)
+    peft.inject_adapter_in_model(config, model)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
+def test_trainable_count_equals_peft_on_every_tiny_preset(preset):
+    model = memkit.load_model(preset)
+    targets = default_targets(model)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    targets = [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]
+    want = peft_count(memkit.load_model(preset), 4, targets)
+    with LoRA(rank=4).apply(model):
+        got = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+    assert got == want > 0
+    est = memkit.estimate(preset, size="tiny", optimizations=[LoRA(rank=4)], progress=False)
+    assert est.meta["trainable_parameters"] == want
+
+
+@pytest.mark.parametrize("preset", ["flux", "wan"])
+def test_full_size_counts_equal_peft_on_the_meta_device(preset):
+    # the estimate builds a probe of four blocks per list and scales the counts: peft on the whole meta model
+    import accelerate
+    import diffusers
+
+    spec = memkit.PRESETS[preset]
+    with accelerate.init_empty_weights():  # the released config, no weights
+        meta = getattr(diffusers, spec.model_class)(**spec.configs["full"])
+    base = sum(p.numel() for p in meta.parameters())
+    want = peft_count(meta, 16, ATTENTION)
+    tl = memkit.estimate(preset, optimizations=[LoRA(rank=16, targets=ATTENTION)], progress=False)
+    assert tl.meta["memoized"], tl.meta["memo"]
+    assert tl.meta["trainable_parameters"] == want
+    assert tl.meta["parameters"] == base + want
+    if preset == "flux":  # measured with peft's get_nb_trainable_parameters (../shared/DESIGN.md)
+        assert want == 18_677_760
+
+
+def _adapter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def test_a_real_step_gives_gradients_and_optimizer_state_to_the_adapters_only():
+    model = memkit.load_model("flux")
+    inputs = memkit.make_inputs(model)
+    with LoRA(rank=4).apply(model) as handle:
+        adapters = _adapter_bytes(model)
+        runner = memkit.Step(optimizer="adamw").bind(model, handle)
+        runner.run(inputs)  # the first step creates AdamW's state
+        grads: set[str] = set()
+        with memkit.track(inputs=inputs, **runner.tracked_objects()) as tl:
+            runner.run(
+                inputs, on_grads=lambda m: grads.update(n for n, p in m.named_parameters() if p.grad is not None)
+            )
+        assert grads and all("lora_" in n for n in grads)
+    # exp_avg and exp_avg_sq of each adapter tensor, and its step count (a 4-byte fp32 scalar on the CPU)
+    assert tl.baseline_by_category["optimizer_state"] == 2 * adapters + 4 * len(grads)
+    assert tl.peak_by_category()["gradient"] <= adapters
+
+
+def test_output_at_initialisation_is_the_base_models():
+    model = memkit.load_model("sd3")
+    inputs = memkit.make_inputs(model)
+    with torch.no_grad():
+        base = memkit.step.model_output(model(**inputs)).clone()
+    for init in ("gaussian", "true"):
+        with LoRA(rank=4, init=init).apply(model), torch.no_grad():
+            assert torch.equal(memkit.step.model_output(model(**inputs)), base)
+    with LoRA(rank=4, init="false").apply(model), torch.no_grad():
+        assert not torch.equal(memkit.step.model_output(model(**inputs)), base)
+
+
+@pytest.mark.parametrize("preset", ["flux", "wan"])
+def test_estimate_equals_the_real_tracked_steps(preset):
+    from test_steady_state import real_steps
+
+    def build():
+        torch.manual_seed(0)
+        model = memkit.load_model(preset)
+        LoRA(rank=4).apply(model)
+        return model
+
+    first, second = real_steps(2, build, memkit.make_inputs)
+    est = memkit.estimate(build, device="cpu", dtype=torch.float32, progress=False)
+    assert est.meta["first_step_peak_bytes"] == first.peak_bytes
+    assert est.meta["steady_peak_bytes"] == second.peak_bytes
+    opt = memkit.optimizations.parse("lora:4")
+    via = memkit.estimate(preset, size="tiny", device="cpu", dtype=torch.float32, optimizations=[opt], progress=False)
+    assert via.peak_bytes == est.peak_bytes
+
+
+def test_dora_keeps_a_weight_sized_temporary_per_adapted_layer():
+    model = memkit.load_model("wan")
+    inputs = memkit.make_inputs(model)
+    layer = next(m for n, m in model.named_modules() if n.endswith("attn1.to_q"))
+    weight = layer.weight.numel() * layer.weight.element_size()
+    peaks = {}
+    for dora in (False, True):
+        with LoRA(rank=4, dora=dora).apply(model) as handle:
+            runner = memkit.Step(optimizer=None).bind(model, handle)
+            with memkit.track(inputs=inputs, **runner.tracked_objects()) as tl:
+                runner.run(inputs)
+            peaks[dora] = tl.peak_bytes
+        model.zero_grad(set_to_none=True)
+    assert peaks[True] - peaks[False] >= weight
+
+
+def test_adapters_in_float32_beside_a_bf16_base():
+    tl = memkit.estimate(
+        "flux", size="tiny", optimizations=[LoRA(rank=4, dtype=torch.float32)], progress=False, device="cpu"
+    )
+    model = memkit.load_model("flux", dtype=torch.bfloat16)
+    with LoRA(rank=4, dtype=torch.float32).apply(model):
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        tensors = sum(p.requires_grad for p in model.parameters())
+    assert dtypes == {torch.float32} and frozen == {torch.bfloat16}
+    # AdamW's two fp32 moments of the fp32 adapters and a 4-byte step count per adapter, before the steady step
+    start = tl.meta["step_starts"][1]
+    assert tl.bytes_by_category_at(start - 1)["optimizer_state"] == 8 * trainable + 4 * tensors
+
+
+def test_bad_input_names_the_argument():
+    for kwargs, word in (
+        (dict(rank=0), "rank"),
+        (dict(rank=2.5), "rank"),
+        (dict(alpha=0), "alpha"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(targets=()), "targets"),
+        (dict(targets="to_q"), "targets"),
+        (dict(init="kaiming"), "init"),
+        (dict(dtype=torch.int8), "dtype"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            LoRA(**kwargs)
+    for text in ("x", "4:alpha=a", "4:colour=red", "4:dtype=float99"):
+        with pytest.raises(ValueError, match="lora"):
+            LoRA.parse(text)
+
+
+def test_an_unknown_target_lists_the_real_names_and_leaves_the_model_unchanged():
+    model = memkit.load_model("flux")
+    flags = [p.requires_grad for p in model.parameters()]
+    tree = [(n, type(m)) for n, m in model.named_modules()]
+    with pytest.raises(ValueError, match=r"to_qq.*transformer_blocks\.\*\.attn\.to_q"):
+        LoRA(targets=("attn.to_qq",)).apply(model)
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree
+
+
+def test_a_failure_inside_peft_undoes_everything(monkeypatch):
+    model = memkit.load_model("flux")
+    tree = [(n, type(m)) for n, m in model.named_modules()]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("inside peft")
+
+    monkeypatch.setattr(type(model), "set_adapter", boom)
+    with pytest.raises(RuntimeError, match="inside peft"):
+        LoRA(rank=4).apply(model)
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree
+    assert all(p.requires_grad for p in model.parameters())
+    assert "peft_config" not in model.__dict__ and "_hf_peft_config_loaded" not in model.__dict__
+
+
+def test_ff_split_and_lora_on_the_same_layers_refuse_in_either_order():
+    model = memkit.load_model("flux")  # Flux's default targets include the feed-forward projections
+    with memkit.FFSplit(splits=2).apply(model), pytest.raises(ValueError, match="ff-split"):
+        LoRA(rank=4).apply(model)
+    with LoRA(rank=4).apply(model), pytest.raises(ValueError, match="LoRA"):
+        memkit.FFSplit(splits=2).apply(model)
+    with LoRA(rank=4, targets=ATTENTION).apply(model), memkit.FFSplit(splits=2).apply(model):
+        pass  # attention-only adapters leave the feed-forward layers to the split
+
+
+def test_parse_and_str_round_trip():
+    for text in ("lora:16", "lora:4:alpha=8:targets=to_q,to_v", "lora:8:dropout=0.1:init=true:dora:dtype=float32"):
+        config = memkit.optimizations.parse(text)
+        assert str(config) == text
+    assert LoRA.parse("16:dora") == LoRA(rank=16, dora=True)
+
+
+def test_missing_peft_names_the_extra(monkeypatch):
+    monkeypatch.setattr(lora_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"memkit\[finetune\]"):
+        LoRA().apply(memkit.load_model("flux"))
+
+
+def test_cli_reports_trainable_parameters(capsys):
+    from memkit.cli import main
+
+    assert main(["estimate", "flux", "--size", "tiny", "--lora", "4:targets=to_q,to_v", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    want = peft_count(memkit.load_model("flux"), 4, ("to_q", "to_v"))
+    assert out["trainable_parameters"] == want and out["parameters"] > want
+    assert main(["estimate", "flux", "--size", "tiny", "--lora", "4", "--dora", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizations"] == ["lora:4:dora"]
