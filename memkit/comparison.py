@@ -225,15 +225,20 @@ def _refuse_estimate_only(runs: Mapping[str, Variant]) -> None:
                 )
 
 
+def _base_name(name: str) -> str:
+    """A parameter's name in the unadapted model: peft keeps a wrapped layer's own under ``.base_layer``."""
+    return name.replace(".base_layer.", ".")
+
+
 def _clone_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {_base_name(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _clone_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from .optimizations.offload import onloaded
 
     with onloaded(model):  # an offloaded model's real weights, not its placeholders
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {_base_name(n): p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -255,6 +260,8 @@ class _Reference:
     output: torch.Tensor
     grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor] | None
+    frozen: frozenset[str] = frozenset()
+    """Parameters that do not require grad in this run (the base model under LoRA)."""
 
 
 def _reference_step(runner, inputs: Mapping[str, Any], seed: int) -> _Reference:
@@ -268,26 +275,38 @@ def _reference_step(runner, inputs: Mapping[str, Any], seed: int) -> _Reference:
             on_grads=lambda model: captured.__setitem__("grads", _clone_grads(model)),
         )
     params = _clone_params(runner.model) if runner.step.training else None
-    return _Reference(captured["output"], captured.get("grads", {}), params)
+    frozen = frozenset(_base_name(n) for n, p in runner.model.named_parameters() if not p.requires_grad)
+    return _Reference(captured["output"], captured.get("grads", {}), params, frozen)
 
 
-def _differences(result: VariantResult, got: _Reference, ref: _Reference, tolerance: float) -> bool:
+def _differences(
+    result: VariantResult, got: _Reference, ref: _Reference, tolerance: float, initial: Mapping[str, torch.Tensor]
+) -> bool:
+    """Output, gradients and updated parameters against the baseline's. A variant that freezes parameters and
+    trains its own (LoRA: the base frozen, adapters added) is held to that: its frozen parameters get no gradient
+    and end the step as they began (``initial``); its own parameters, which the baseline lacks, have nothing to be
+    compared with; every other gradient and parameter is compared as usual."""
     result.max_abs_d_output = _max_abs_diff(got.output, ref.output)
     ok = _within(result.max_abs_d_output, ref.output, tolerance)
-    if got.grads.keys() != ref.grads.keys():
+    expected = {k for k in ref.grads if k not in got.frozen}  # what the baseline trained and the variant trains too
+    own = set(got.grads) - set(ref.grads)
+    if set(got.grads) - own != expected:
         raise RuntimeError(
             f"variant {result.name!r} produced gradients for different parameters than the baseline: "
-            f"{sorted(got.grads.keys() ^ ref.grads.keys())[:5]}"
+            f"{sorted((set(got.grads) - own) ^ expected)[:5]}"
         )
-    for k, g in got.grads.items():
-        d = _max_abs_diff(g, ref.grads[k])
+    for k in expected:
+        d = _max_abs_diff(got.grads[k], ref.grads[k])
         result.max_abs_d_grad = max(result.max_abs_d_grad, d)
         ok = _within(d, ref.grads[k], tolerance) and ok
     if got.params is not None and ref.params is not None:
         for k, p in got.params.items():
-            d = _max_abs_diff(p, ref.params[k])
+            want = initial.get(k) if k in got.frozen else ref.params.get(k)
+            if want is None:  # the variant's own parameter (an adapter)
+                continue
+            d = _max_abs_diff(p, want)
             result.max_abs_d_param = max(result.max_abs_d_param, d)
-            ok = _within(d, ref.params[k], tolerance) and ok
+            ok = _within(d, want, tolerance) and ok
     return ok
 
 
@@ -386,7 +405,7 @@ def compare(
         if reference is None:
             reference = got
         else:
-            ok = _differences(result, got, reference, tolerance) and ok
+            ok = _differences(result, got, reference, tolerance, state) and ok
         result.passed = ok
         results[name] = result
         del model, runner, got

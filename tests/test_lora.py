@@ -223,3 +223,20 @@ def test_cli_reports_trainable_parameters(capsys):
     assert out["trainable_parameters"] == want and out["parameters"] > want
     assert main(["estimate", "flux", "--size", "tiny", "--lora", "4", "--dora", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["optimizations"] == ["lora:4:dora"]
+
+
+def test_compare_holds_lora_to_its_own_rule():
+    # the baseline trains every weight; LoRA trains only its adapters: its output at initialisation is the base's,
+    # its frozen weights get no gradient and end the update as they began, the adapters have nothing to compare with
+    cmp = memkit.compare(
+        "flux",
+        {"lora": [LoRA(rank=4)], "lora-random-b": [LoRA(rank=4, init="false")]},
+        step=memkit.Step(optimizer="adamw"),
+        repeats=0,
+        progress=False,
+    )
+    ok, random_b = cmp.results["lora"], cmp.results["lora-random-b"]
+    assert ok.passed and ok.max_abs_d_output == 0 and ok.max_abs_d_param == 0
+    assert not random_b.passed and random_b.max_abs_d_output > 0
+    base = cmp.results["baseline"].timeline.peak_by_category()
+    assert ok.timeline.peak_by_category()["gradient"] < base["gradient"] / 10

@@ -315,7 +315,7 @@ def _other_value(field, current):
     if field.kind == "int":
         return "3" if field.optional else current + 1
     if field.kind == "float":
-        return current / 2
+        return "3.5" if field.optional else (current / 2 if current else 0.5)
     return next(str(c) for c in field.choices if str(c) != current)
 
 

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         "optimizations": [str(o) for o in optimizations],
         "parallel": str(parallel) if parallel is not None else None,
         "parameters": meta["parameters"],
-        "trainable_parameters": meta["trainable_parameters"],
+        "trainable_parameters": meta.get("trainable_parameters"),
         "events": len(timeline),
         "baseline_bytes": timeline.baseline_bytes,
         "peak_bytes": timeline.peak_bytes,
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     rows = [
         ("parameters", fmt_count(meta["parameters"])),
-        *([("  trainable", fmt_count(meta["trainable_parameters"]))] if training else []),
+        *([("  trainable", fmt_count(meta["trainable_parameters"]))] if meta.get("trainable_parameters") else []),
         (f"baseline ({args.unit})", f"{timeline.baseline_bytes / div:{num}}"),
         (f"peak ({args.unit}, {_which(meta)})", f"{timeline.peak_bytes / div:{num}}"),
     ]

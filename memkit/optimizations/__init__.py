@@ -149,6 +149,7 @@ register(
         "temporary per adapted layer",
         metavar="RANK[:alpha=A][:targets=a,b,c][:dora]",
         choices=("16", "4", "64", "16:dora"),
+        report=("16",),
         panel=("rank", "alpha", "dropout", "init", "dora", "dtype"),
     )
 )
