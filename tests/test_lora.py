@@ -240,3 +240,27 @@ def test_compare_holds_lora_to_its_own_rule():
     assert not random_b.passed and random_b.max_abs_d_output > 0
     base = cmp.results["baseline"].timeline.peak_by_category()
     assert ok.timeline.peak_by_category()["gradient"] < base["gradient"] / 10
+
+
+@pytest.mark.slow
+def test_the_readme_lora_table_is_what_the_estimates_say(capsys):
+    # each row's command, run: its steady-step peak (allocated, "cuda") and trainable count as the README prints them
+    import json
+    import re
+    from pathlib import Path
+
+    from memkit.cli import main
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text[text.index("| FLUX.1-dev, full size, bf16 AdamW") :].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == 5
+    for row in table:
+        command, trainable, peak = re.fullmatch(
+            r"\| .*\(`(memkit estimate [^`]+)`\) \| ([\d.]+ [BM]) \| ([\d.]+) GiB \|", row
+        ).groups()
+        assert main([*command.split()[2:], "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["measured"] == "first and steady" and out["peak_bytes"] == out["steady_peak_bytes"]
+        assert f"{out['peak_bytes'] / 2**30:.2f}" == peak, row
+        value, unit = trainable.split()
+        assert f"{out['trainable_parameters'] / {'B': 1e9, 'M': 1e6}[unit]:.{len(value.split('.')[1])}f}" == value, row
