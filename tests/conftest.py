@@ -18,4 +18,3 @@ def _own_workspace_cache(tmp_path_factory, monkeypatch):
 
     monkeypatch.setenv("MEMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("workspace-cache")))
     monkeypatch.setattr(learned, "_disk", None)
-
