@@ -61,6 +61,7 @@ _EXPORTS = {
 _SUBMODULES = (
     "memory",
     "optimizations",
+    "optimizers",
     "plots",
     "step",
     "models",
