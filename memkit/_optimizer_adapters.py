@@ -44,17 +44,16 @@ class _Adapted:
         # torch wraps this class's step in its hook caller: call the library's step without a second one
         step = self._library.step
         step = step.__wrapped__ if getattr(step, "hooked", False) else step
+        from .memory.placement import planned_device
         from .memory.tracker import _active
 
-        if not _active:
+        planned, fake = planned_device(), _fake_mode() is not None
+        if not (_active or fake or planned):  # a plain run: the library's step as it is
             return step(self, closure)
-        from .memory.placement import planned_device
-
-        planned = planned_device()
-        fake = _fake_mode() is not None
         # the mode only where it is needed: re-dispatching every op from Python has the allocator wrap a Python
         # number or two more than the library's own step would (8 bytes each, which the tracker does not see)
-        needed = fake or (self._library.__module__.startswith("bitsandbytes") and planned != "cuda")
+        kernels = bool(_active) and self._library.__module__.startswith("bitsandbytes") and planned != "cuda"
+        needed = fake or kernels
         mode = _StepMode(planned) if needed else contextlib.nullcontext()
         with warnings.catch_warnings(), mode, _float32_default(planned is not None):
             # bitsandbytes warns once per optimizer that CPU tensors are not paged: memkit says so in its docs

@@ -281,6 +281,13 @@ def test_an_estimate_on_cpu_equals_the_real_first_and_steady_step(name, dtype):
     assert tl.meta["host_bytes"] == {} and tl.meta["lower_bound_ops"] == []
 
 
+@pytest.mark.parametrize("name", ["adamw8bit", "adafactor", "prodigy", "came"])
+def test_an_estimate_of_a_later_step_runs_the_untracked_steps_on_fake_tensors_too(name):
+    (*_, third), _ = real_steps(name, 3, net())
+    tl = memkit.estimate(net(), net_inputs, optimizer=name, device="cpu", dtype=torch.float32, steps=3)
+    assert tl.peak_bytes == third.peak_bytes
+
+
 @pytest.mark.parametrize("steps", [None, 3])
 def test_a_cuda_estimate_keeps_paged_moments_in_host_memory(steps):
     # bitsandbytes pages the moments of parameters of 100,000 elements or more (CUDA managed memory, outside the
