@@ -15,7 +15,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lab,dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[lab,dev,finetune]"
 	touch $(STAMP)
 
 # Jupyter refuses to run as root unless told; containers and cloud machines often are root.

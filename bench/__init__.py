@@ -36,6 +36,7 @@ BENCHMARKS: tuple[str, ...] = (
     "checkpointing",
     "offload",
     "fsdp",
+    "optimizers",
 )
 """Benchmark module names, in run order."""
 

@@ -62,6 +62,7 @@ _EXPORTS = {
 _SUBMODULES = (
     "memory",
     "optimizations",
+    "optimizers",
     "plots",
     "step",
     "models",

@@ -116,9 +116,9 @@ def estimate(
         optimizations: optimization objects, applied with ``.apply(model)`` as in a real run; the memory
             their handles own is counted in its category. A :class:`memkit.FSDP` among them is ``parallel``.
         dtype: parameter and input dtype (default bf16).
-        optimizer: ``"auto"`` (AdamW in training, none in inference), ``"adamw"``, ``"adam"``, ``"sgd"`` or
-            None (training only). With None, gradients accumulate across steps as in a loop of
-            ``loss.backward()``.
+        optimizer: ``"auto"`` (AdamW in training, none in inference), a name in
+            :data:`memkit.optimizers.OPTIMIZERS` (``"adamw"``, ``"adamw8bit"``, ``"prodigy"``...) or None (training
+            only). With None, gradients accumulate across steps as in a loop of ``loss.backward()``.
         steps: None (default): in training the first and the steady step, both measured (see above); in
             inference one pass. An int N: run N steps and measure only the last (``steps=1``: the first step).
         device: the device being estimated: ``"cuda"`` (default: adds the CUDA allocator's 512-byte rounding,

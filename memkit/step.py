@@ -23,11 +23,11 @@ import torch
 
 from .handle import Handle
 from .memory.recording import phase
+from .optimizers import OPTIMIZERS, OptimizerName, make_optimizer
 
 __all__ = ["MODES", "OPTIMIZERS", "Step", "StepRunner", "check_inputs", "make_optimizer", "model_output", "train_step"]
 
 MODES = ("training", "inference")
-OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
 def model_output(out: Any) -> torch.Tensor:
@@ -75,24 +75,6 @@ def check_inputs(model: torch.nn.Module, inputs: Any) -> None:
     )
     if missing:
         raise ValueError(f"inputs is missing {missing} for {type(model).__name__}.forward; see memkit.make_inputs")
-
-
-def make_optimizer(name: str | None, params, *, foreach: bool | None = None) -> torch.optim.Optimizer | None:
-    """An optimizer by name (``"adamw"``, ``"adam"``, ``"sgd"``) over the ``params`` that require grad; None for None.
-
-    Example:
-        >>> opt = make_optimizer("adamw", model.parameters())
-    """
-    if name is None:
-        return None
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} or None, got {name!r}")
-    params = [p for p in params if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4, foreach=foreach)
-    return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach)
 
 
 OutputHook = Callable[[torch.Tensor], None]
@@ -169,9 +151,10 @@ class Step:
     mode: Literal["training", "inference"] = "training"
     """``"training"``: forward, loss, backward (and the optimizer's update); ``"inference"``: forward under
     ``no_grad``."""
-    optimizer: Literal["adamw", "adam", "sgd"] | None = None
-    """The optimizer of a training step. None: no update, gradients are only computed (and accumulate
-    across steps, as in a loop of ``loss.backward()``)."""
+    optimizer: OptimizerName | None = None
+    """The optimizer of a training step, one of :data:`memkit.optimizers.OPTIMIZERS` (its state size in that
+    module's docstring). None: no update, gradients are only computed (and accumulate across steps, as in a loop of
+    ``loss.backward()``)."""
     steps: int | None = None
     """Which steps a measurement covers. None (the default): in training, the first step and the steady step
     that every later step repeats (step 2: the optimizer state, EMA shadows and accumulated gradients the first

@@ -85,7 +85,7 @@ def test_the_loss_is_part_of_the_forward_so_its_float32_copy_is_an_activation():
     "kwargs, message",
     [
         ({"mode": "train"}, "mode must be one of"),
-        ({"optimizer": "lion"}, "optimizer must be one of"),
+        ({"optimizer": "lamb"}, "optimizer must be one of"),
         ({"mode": "inference", "optimizer": "sgd"}, "only used in training"),
         ({"steps": 0}, "steps must be None .* or an int >= 1"),
         ({"steps": True}, "steps must be None .* or an int >= 1"),

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import memkit
 
+from ..optimizers import OPTIMIZERS
 from ..units import UNITS
 from ._common import DTYPE_NAMES, SIZE_FLAGS, CLIError, machine_info
 
@@ -133,9 +134,10 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="parameter and input dtype")
     p.add_argument(
         "--optimizer",
-        choices=("adamw", "adam", "sgd", "none"),
+        choices=(*OPTIMIZERS, "none"),
         default=None,
-        help="optimizer of the training step (default: adamw in training; none: gradients only)",
+        help="optimizer of the training step (default: adamw in training; none: gradients only). adamw8bit, "
+        "paged-adamw8bit, lion, prodigy and came need the finetune extra: pip install 'memkit[finetune]'",
     )
     p.add_argument(
         "--steps",

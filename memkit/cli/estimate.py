@@ -10,6 +10,7 @@ import sys
 import memkit
 
 from .._torch_compat import TorchVersionError
+from ..optimizers import MissingLibraryError
 from ..parallel import split_parallel
 from ..units import UNITS, best_unit, parse_bytes
 from ._common import (
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
             optimizations = [*optimizations, plan.config]
             print(f"checkpointing auto: {plan}", file=sys.stderr if args.json else sys.stdout)
         timeline = memkit.estimate(args.preset, optimizations=optimizations, **settings)
-    except (ValueError, TorchVersionError) as e:  # sizes the model refuses, a feature this torch lacks (FSDP)
+    except (ValueError, TorchVersionError, MissingLibraryError) as e:
+        # sizes the model refuses, a feature this torch lacks (FSDP), an optimizer's library that is not installed
         raise CLIError(str(e)) from None
     meta = timeline.meta
     shape = {**allowed, **sizes}
