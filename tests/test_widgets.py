@@ -587,3 +587,11 @@ def test_the_live_figure_is_plotlys_figurewidget_with_a_small_loader():
     assert isinstance(figures_module.WidgetFigure().figure, cls)
     plain = figures_module.WidgetFigure(figure_class=go.FigureWidget).figure
     assert isinstance(plain, go.FigureWidget) and not isinstance(plain, cls)
+
+
+def test_the_optimizer_menu_offers_every_optimizer_a_step_takes():
+    pg = memkit.Playground(figures="widget")
+    offered = [o[1] if isinstance(o, tuple) else o for o in pg.controls["optimizer"].options]
+    assert offered == [None, *memkit.optimizers.OPTIMIZERS]
+    pg.controls["optimizer"].value = "adamw8bit"
+    assert pg.state.step().optimizer == "adamw8bit"

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import ipywidgets as widgets
 
 from .. import plots
+from ..optimizers import OPTIMIZERS
 from ..units import best_unit
 from .figures import FigureMode, figure_mode, make_figure
 from .panels import OptimizationPanel, set_tooltip
@@ -108,7 +109,7 @@ class Playground:
             c[key] = widgets.Text(value="", description=key.replace("_", " "))
         c["mode"] = widgets.ToggleButtons(options=["training", "inference"], value=s.mode, description="step")
         c["optimizer"] = widgets.Dropdown(
-            options=[("none", None), "adamw", "adam", "sgd"], value=s.optimizer, description="optimizer"
+            options=[("none", None), *OPTIMIZERS], value=s.optimizer, description="optimizer"
         )
         c["steps"] = widgets.Dropdown(options=STEP_CHOICES, value=s.steps, description="steps")
         c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
