@@ -37,6 +37,7 @@ BENCHMARKS: tuple[str, ...] = (
     "offload",
     "fsdp",
     "optimizers",
+    "recipes",
 )
 """Benchmark module names, in run order."""
 
