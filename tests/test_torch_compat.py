@@ -305,3 +305,31 @@ def test_the_command_line_says_which_torch_fsdp_needs_without_a_traceback(capsys
     assert main(["estimate", "flux", "--size", "tiny", "--fsdp", "2"]) == 2
     err = capsys.readouterr().err
     assert "needs torch >= 2.11" in err and "Traceback" not in err
+
+
+def test_fake_module_to_casts_fake_modules_that_torch_refuses_to_swap():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from memkit._torch_compat import fake_module_to
+
+    original = torch.nn.Module.to
+    with FakeTensorMode():
+        layer = torch.nn.Linear(4, 2)
+        try:  # why the shim exists: torch 2.13 swaps a fake parameter, which its fake mode's weakref forbids
+            layer.to(torch.bfloat16)
+        except RuntimeError as e:
+            assert "swap" in str(e)
+        layer = torch.nn.Linear(4, 2)
+        with fake_module_to():
+            frozen = torch.nn.Linear(4, 2).requires_grad_(False)
+            assert layer.to(torch.bfloat16) is layer and frozen.to("cpu", torch.float16) is frozen
+    assert torch.nn.Module.to is original  # put back
+    assert isinstance(layer.weight, FakeTensor) and isinstance(layer.weight, torch.nn.Parameter)
+    assert layer.weight.dtype == layer.bias.dtype == torch.bfloat16 and layer.weight.requires_grad
+    assert frozen.weight.dtype == torch.float16 and not frozen.weight.requires_grad
+    assert tuple(layer.weight.shape) == (2, 4)
+    real = torch.nn.Linear(4, 2)
+    with fake_module_to():  # real modules take torch's own path: values kept
+        before = real.weight.detach().clone()
+        real.to(torch.float64)
+    assert torch.equal(real.weight, before.double())
