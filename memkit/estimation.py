@@ -92,6 +92,7 @@ def estimate(
     progress: bool | None = None,
     parallel: FSDP | None = None,
     memoize: bool = True,
+    grad_accum: int = 1,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -111,8 +112,8 @@ def estimate(
         inputs: a callable ``inputs(model)`` returning the forward kwargs, or None for
             ``memkit.make_inputs(model, batch_size, **sizes)``.
         mode: ``"training"`` (forward, loss, backward, optimizer step if any) or ``"inference"``.
-        step: the :class:`memkit.Step` to run, instead of ``mode``, ``optimizer`` and ``steps`` (give one or
-            the others). Its ``foreach`` defaults to what torch uses on ``device``.
+        step: the :class:`memkit.Step` to run, instead of ``mode``, ``optimizer``, ``steps`` and ``grad_accum``
+            (give one or the others). Its ``foreach`` defaults to what torch uses on ``device``.
         optimizations: optimization objects, applied with ``.apply(model)`` as in a real run; the memory
             their handles own is counted in its category. A :class:`memkit.FSDP` among them is ``parallel``.
         dtype: parameter and input dtype (default bf16).
@@ -121,6 +122,8 @@ def estimate(
             only). With None, gradients accumulate across steps as in a loop of ``loss.backward()``.
         steps: None (default): in training the first and the steady step, both measured (see above); in
             inference one pass. An int N: run N steps and measure only the last (``steps=1``: the first step).
+        grad_accum: micro-batches per step (:attr:`memkit.Step.grad_accum`): the gradients of the first live
+            through the forward and backward of every later one.
         device: the device being estimated: ``"cuda"`` (default: adds the CUDA allocator's 512-byte rounding,
             drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA, except for an
             optimizer FSDP's CPU offload runs on the CPU) or ``"cpu"`` (CPU kernels' own buffers, learned once
@@ -156,7 +159,7 @@ def estimate(
         >>> tl = memkit.estimate("flux", optimizations=[memkit.Checkpointing()])   # bf16 AdamW on a GPU
         >>> tl.peak_bytes / 2**30, tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"]
     """
-    step = _step_of(step, mode, optimizer, steps)
+    step = _step_of(step, mode, optimizer, steps, grad_accum=grad_accum)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -199,7 +202,7 @@ def estimate(
     # per-parameter loop (what estimating on CPU tensors gives by itself)
     host_optimizer = parallel is not None and parallel.cpu_offload
     if step.foreach is None and cuda and step.optimizer is not None and not host_optimizer:
-        step = Step(mode=step.mode, optimizer=step.optimizer, steps=step.steps, foreach=True)
+        step = dataclasses.replace(step, foreach=True)
     if progress is None:
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
@@ -239,6 +242,7 @@ def estimate(
         dtype=str(dtype).replace("torch.", ""),
         optimizer=step.optimizer,
         steps=n,
+        grad_accum=step.grad_accum,
         measured=step.measured,
         step_starts=starts,
         first_step_peak_bytes=first,
@@ -440,15 +444,20 @@ def clear_cache() -> None:
     _RESULTS.clear()
 
 
-def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int | None) -> Step:
+def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int | None, **options: Any) -> Step:
+    """The step an estimate runs: ``step``, or one built from ``mode``, ``optimizer``, ``steps`` and the recipe
+    ``options`` (``grad_accum``...), which keep :class:`Step`'s defaults when ``step`` is given."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Step)}
     if step is None:
         if optimizer == "auto":
             optimizer = "adamw" if mode == "training" else None
         elif optimizer is not None and mode == "training" and optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be 'auto', one of {list(OPTIMIZERS)} or None, got {optimizer!r}")
-        return Step(mode=mode, optimizer=optimizer, steps=steps)  # validates each argument by name
+        return Step(mode=mode, optimizer=optimizer, steps=steps, **options)  # validates each argument by name
     if not isinstance(step, Step):
         raise TypeError(f"step must be a memkit.Step or None, got {type(step).__name__}")
-    if (mode, optimizer, steps) != ("training", "auto", None):
-        raise ValueError("give either step or mode/optimizer/steps, not both")
+    given = [k for k, v in options.items() if v != defaults[k]]
+    if (mode, optimizer, steps) != ("training", "auto", None) or given:
+        names = "/".join(["mode", "optimizer", "steps", *options])
+        raise ValueError(f"give either step or {names}, not both")
     return step

@@ -89,6 +89,8 @@ def _run(
     handle: Handle | None,
     on_output: OutputHook | None,
     on_grads: GradsHook | None,
+    *,
+    grad_accum: int = 1,
 ) -> torch.Tensor | None:
     check_inputs(model, inputs)
     if mode == "inference":
@@ -99,19 +101,25 @@ def _run(
             del out
         loss = None
     else:
-        out = model_output(model(**inputs))
-        if on_output is not None:
-            on_output(out)
-        with phase("forward"):  # the loss belongs to the forward: what backward keeps of it is an activation
-            loss = out.float().pow(2).mean()
-        del out  # hold nothing the step itself would not hold
-        loss.backward()
+        loss = None
+        for _ in range(grad_accum):  # micro-batches: each backward adds into the gradients the last one left
+            out = model_output(model(**inputs))
+            if on_output is not None:
+                on_output(out)
+            with phase("forward"):  # the loss belongs to the forward: what backward keeps of it is an activation
+                micro = out.float().pow(2).mean()
+                if grad_accum > 1:  # as accelerate scales it: the summed gradients are the mean over micro-batches
+                    micro = micro / grad_accum
+            del out  # hold nothing the step itself would not hold
+            micro.backward()
+            micro = micro.detach()
+            loss = micro if loss is None else loss + micro
+            del micro
         if on_grads is not None:
             on_grads(model)
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        loss = loss.detach()
     if handle is not None:
         handle.after_step()
     return loss
@@ -164,6 +172,13 @@ class Step:
     foreach: bool | None = None
     """The optimizer's foreach implementation (one fused kernel per op over all tensors, with a temporary per
     op). None: torch's default for the device (foreach on CUDA, per-tensor loops on CPU)."""
+    grad_accum: int = 1
+    """Gradient accumulation: one step is ``grad_accum`` forward and backward passes (micro-batches, each on the
+    step's inputs, its loss divided by ``grad_accum`` as accelerate does), then one optimizer update and
+    ``zero_grad``. The gradients live from the first micro-batch's backward to the update, so every later
+    micro-batch's forward and backward runs beside a full set of gradients: the peak can grow by up to one set of
+    gradients over ``grad_accum=1`` (where gradients exist only from the backward on). It buys a batch
+    ``grad_accum`` times larger at the activation memory of one micro-batch, for ``grad_accum`` times the compute."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -183,6 +198,12 @@ class Step:
             )
         if self.foreach not in (None, True, False):
             raise ValueError(f"foreach must be True, False or None, got {self.foreach!r}")
+        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be an int >= 1 (micro-batches per step), got {self.grad_accum!r}")
+        if self.grad_accum > 1 and self.mode == "inference":
+            raise ValueError(
+                "grad_accum is only used in training (micro-batches of a training step); pass grad_accum=1"
+            )
 
     @property
     def training(self) -> bool:
@@ -230,7 +251,8 @@ class Step:
     def __str__(self) -> str:
         if not self.training:
             return "inference"
-        return f"training ({self.optimizer or 'no optimizer'})"
+        extra = f", {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
+        return f"training ({self.optimizer or 'no optimizer'}{extra})"
 
 
 class StepRunner:
@@ -258,13 +280,17 @@ class StepRunner:
         on_output: OutputHook | None = None,
         on_grads: GradsHook | None = None,
     ) -> torch.Tensor | None:
-        """One step on ``inputs``; returns the loss (None in inference).
+        """One step on ``inputs``; returns the loss (None in inference; with ``grad_accum``, the sum of the
+        micro-batches' divided losses).
 
-        ``on_output(output)`` sees the model's output tensor before the loss, ``on_grads(model)`` the model
-        after backward and before the update: ``compare`` uses them to record what it compares. They are
-        called with references only; what they keep is on them.
+        ``on_output(output)`` sees the model's output tensor before the loss (each micro-batch's, with
+        ``grad_accum``), ``on_grads(model)`` the model after the (last) backward and before the update: ``compare``
+        uses them to record what it compares. They are called with references only; what they keep is on them.
         """
-        return _run(self.model, inputs, self.step.mode, self.optimizer, self.handle, on_output, on_grads)
+        step = self.step
+        return _run(
+            self.model, inputs, step.mode, self.optimizer, self.handle, on_output, on_grads, grad_accum=step.grad_accum
+        )
 
     def tracked_objects(self) -> dict[str, Any]:
         """What ``memkit.track`` needs to count this runner's memory from the start: the model, its

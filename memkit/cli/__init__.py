@@ -114,6 +114,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux --fsdp 8                 # per GPU, sharded over 8 GPUs with FSDP2\n"
         "  memkit estimate flux --fsdp 8,cpu-offload     # the same, shards and optimizer in CPU memory\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
+        "  memkit estimate flux --grad-accum 4           # 4 micro-batches per optimizer step\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n\n" + _presets_epilog(),
         formatter_class=_Formatter,
     )
@@ -149,6 +150,15 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "being the answer",
     )
     p.add_argument("--batch-size", type=int, default=1, metavar="N", help="samples per step")
+    recipe = p.add_argument_group("training recipe")
+    recipe.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gradient accumulation over N micro-batches (of --batch-size each) per optimizer step: the gradients "
+        "of the first live through every later micro-batch's forward and backward",
+    )
     for key, unit in SIZE_FLAGS.items():
         p.add_argument(
             "--" + key.replace("_", "-"),

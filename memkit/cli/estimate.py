@@ -99,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--steps takes an int >= 1 (1: the first step alone), got {args.steps}")
     if args.steps == 1 and not training:
         raise CLIError("--steps 1 asks for the first training step; an inference pass has no first or steady step")
+    if args.grad_accum < 1:
+        raise CLIError(f"--grad-accum takes an int >= 1 (micro-batches per optimizer step), got {args.grad_accum}")
+    if args.grad_accum > 1 and not training:
+        raise CLIError(
+            "--grad-accum applies to training only (micro-batches of a training step); drop it or --inference"
+        )
     check_writable(args.html)
     check_writable(args.png)
     settings = dict(
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         parallel=parallel,
+        grad_accum=args.grad_accum,
         **sizes,
     )
     plan = None
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         "optimizer": optimizer,
         "device": args.device,
         "steps": meta["steps"],
+        "grad_accum": meta["grad_accum"],
         "measured": meta["measured"],
         "bytes": meta["bytes"],
         "batch_size": args.batch_size,
@@ -185,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
     inputs = ", ".join(inputs)
     print(
         f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}, "
-        f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}, {inputs}"
+        f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}"
+        + (f" x {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
+        + f", {inputs}"
     )
     print(f"optimizations: {', '.join(result['optimizations']) or 'none'}")
     if parallel is not None:

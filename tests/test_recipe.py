@@ -1,0 +1,146 @@
+"""The training recipe's options of :class:`memkit.Step` (``grad_accum``...): each estimate is held against real CPU
+steps tracked one by one, to the byte, on models where the option changes the peak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import memkit
+from memkit.step import model_output
+
+
+class Wide(torch.nn.Module):
+    """Activations (batch 512 > width 256: twice the weights) alive at the start of each backward: with AdamW's state
+    (2x the weights) the steady step peaks there, and a second micro-batch's backward also has the first one's
+    gradients (1x the weights) beside it."""
+
+    def __init__(self, width: int = 256, depth: int = 4):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+
+    def forward(self, x):
+        return self.layers(torch.relu(x))
+
+
+def inputs(model):
+    return {"x": torch.ones(512, 256)}
+
+
+def real_steps(n: int, model_fn=Wide, inputs_fn=inputs, **step) -> list[memkit.Timeline]:
+    """Steps 1..n of a real CPU training loop of ``Step(**step)``, each tracked in a window of its own."""
+    step.setdefault("optimizer", "adamw")
+    torch.manual_seed(0)
+    model = model_fn()
+    x = inputs_fn(model)
+    runner = memkit.Step(steps=1, **step).bind(model)
+    out = []
+    for _ in range(n):
+        with memkit.track(inputs=x, **runner.tracked_objects()) as tl:
+            runner.run(x)
+        out.append(tl)
+    return out
+
+
+def estimate_cpu(model_fn=Wide, inputs_fn=inputs, **kwargs) -> memkit.Timeline:
+    return memkit.estimate(model_fn, inputs_fn, device="cpu", dtype=torch.float32, **kwargs)
+
+
+# ---- gradient accumulation ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_grad_accum_estimate_equals_real_steps_to_the_byte(n):
+    first, steady = real_steps(2, grad_accum=n)
+    tl = estimate_cpu(grad_accum=n)
+    assert tl.meta["grad_accum"] == n
+    assert tl.meta["first_step_peak_bytes"] == first.peak_bytes
+    assert tl.meta["steady_peak_bytes"] == steady.peak_bytes
+    assert tl.peak_bytes == max(first.peak_bytes, steady.peak_bytes)
+
+
+def test_grad_accum_keeps_the_first_micro_batch_s_gradients_through_the_next():
+    weights = sum(p.numel() * 4 for p in Wide().parameters())
+    one, two, three = (real_steps(2, grad_accum=n)[1] for n in (1, 2, 3))
+    # the second micro-batch's backward begins beside a full set of gradients that the first has not made yet (and
+    # the first one's 4-byte loss, summed into the step's)
+    assert two.peak_bytes - one.peak_bytes == weights + 4
+    assert three.peak_bytes == two.peak_bytes  # a third micro-batch repeats the second
+    assert two.peak_by_category()["gradient"] == weights
+
+
+def test_a_step_that_zeroes_the_gradients_between_micro_batches_is_told_apart():
+    # the one-line mutant of the step: zero_grad(set_to_none=True) after each micro-batch's backward frees the
+    # gradients the next one would accumulate into; its real peak is not the estimate's
+    torch.manual_seed(0)
+    model, x = Wide(), inputs(None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peaks = []
+    for _ in range(2):
+        with memkit.track(model, optimizer=opt, inputs=x) as tl:
+            for _ in range(2):
+                loss = model_output(model(**x)).float().pow(2).mean() / 2
+                loss.backward()
+                del loss
+                if _ == 0:
+                    opt.zero_grad(set_to_none=True)  # the mutation
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        peaks.append(tl.peak_bytes)
+    tl = estimate_cpu(grad_accum=2)
+    assert peaks[1] != tl.meta["steady_peak_bytes"]
+    assert peaks[1] == estimate_cpu(grad_accum=1).meta["steady_peak_bytes"]
+
+
+def test_grad_accum_gradients_are_the_mean_over_micro_batches():
+    torch.manual_seed(0)
+    model, x = Wide(width=16, depth=2), {"x": torch.randn(8, 16)}
+    seen = {}
+    for n in (1, 3):
+        memkit.Step(grad_accum=n).bind(model).run(x)  # no optimizer: the gradients stay
+        seen[n] = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(seen[1], seen[3], strict=True):
+        torch.testing.assert_close(a, b)
+    loss = memkit.Step(grad_accum=3).bind(model).run(x)
+    torch.testing.assert_close(loss, model(**x).float().pow(2).mean().detach())
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True, None])
+def test_bad_grad_accum_names_the_argument(value):
+    with pytest.raises(ValueError, match="grad_accum must be an int >= 1"):
+        memkit.Step(grad_accum=value)
+    with pytest.raises(ValueError, match="grad_accum must be an int >= 1"):
+        memkit.estimate("dit", size="tiny", grad_accum=value)
+
+
+def test_grad_accum_is_training_only_and_not_given_twice():
+    with pytest.raises(ValueError, match="grad_accum is only used in training"):
+        memkit.Step(mode="inference", grad_accum=2)
+    with pytest.raises(ValueError, match="give either step or mode/optimizer/steps/grad_accum"):
+        memkit.estimate("dit", size="tiny", step=memkit.Step(), grad_accum=2)
+    assert str(memkit.Step(optimizer="adamw", grad_accum=4)) == "training (adamw, 4 micro-batches)"
+    assert str(memkit.Step(optimizer="adamw")) == "training (adamw)"
+
+
+def test_grad_accum_is_part_of_the_cache_key():
+    memkit.estimation.clear_cache()
+    one = memkit.estimate("dit", size="tiny")
+    two = memkit.estimate("dit", size="tiny", grad_accum=2)
+    assert not two.meta["cached"] and len(two) > len(one)
+    assert memkit.estimate("dit", size="tiny", step=memkit.Step(optimizer="adamw", grad_accum=2)).meta["cached"]
+
+
+def test_the_command_line_takes_grad_accum(capsys):
+    from memkit.cli import main
+
+    assert main(["estimate", "dit", "--size", "tiny", "--grad-accum", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["grad_accum"] == 2
+    assert result["peak_bytes"] == memkit.estimate("dit", size="tiny", grad_accum=2).peak_bytes
+    assert main(["estimate", "dit", "--size", "tiny", "--grad-accum", "0"]) == 2
+    assert "--grad-accum takes an int >= 1" in capsys.readouterr().err
+    assert main(["estimate", "dit", "--size", "tiny", "--inference", "--grad-accum", "2"]) == 2
+    assert "--grad-accum applies to training only" in capsys.readouterr().err
