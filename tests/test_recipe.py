@@ -144,3 +144,112 @@ def test_the_command_line_takes_grad_accum(capsys):
     assert "--grad-accum takes an int >= 1" in capsys.readouterr().err
     assert main(["estimate", "dit", "--size", "tiny", "--inference", "--grad-accum", "2"]) == 2
     assert "--grad-accum applies to training only" in capsys.readouterr().err
+
+
+# ---- mixed precision ------------------------------------------------------------------------------------------
+
+
+class Shared(torch.nn.Module):
+    """One weight used twice in the forward: autocast casts it once and keeps the bf16 copy in its cast cache until
+    the forward ends; the backward keeps the copy (saved by both matmuls) until its own backward."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.shared = torch.nn.Linear(width, width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.shared(torch.relu(self.shared(x)))))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("model_fn", [Wide, Shared], ids=["wide", "shared"])
+def test_mixed_precision_estimate_equals_real_steps_to_the_byte(precision, model_fn):
+    first, steady = real_steps(2, model_fn, mixed_precision=precision)
+    tl = estimate_cpu(model_fn, mixed_precision=precision)
+    assert (tl.meta["mixed_precision"], tl.meta["dtype"]) == (precision, "float32")
+    assert tl.meta["first_step_peak_bytes"] == first.peak_bytes
+    assert tl.meta["steady_peak_bytes"] == steady.peak_bytes
+
+
+def test_mixed_precision_with_grad_accum_equals_real_steps():
+    first, steady = real_steps(2, Shared, mixed_precision="fp16", grad_accum=2)
+    tl = estimate_cpu(Shared, mixed_precision="fp16", grad_accum=2)
+    assert (tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"]) == (first.peak_bytes, steady.peak_bytes)
+
+
+def test_the_cast_cache_is_in_the_tracked_memory():
+    # the bf16 copy of the shared weight is made once (the cache), not per use, and is alive until the forward ends
+    torch.manual_seed(0)
+    model, x = Shared(), {"x": torch.ones(512, 256)}
+    runner = memkit.Step(mixed_precision="bf16").bind(model)
+    with memkit.track(inputs=x, **runner.tracked_objects()) as tl:
+        runner.run(x)
+    casts = [
+        (op, n)
+        for op, n, action in zip(tl.column("op"), tl.column("bytes"), tl.column("action"), strict=True)
+        if tl.ops[op].startswith("aten._to_copy") and action == 0
+    ]
+    weights = {p.numel() * 2 for p in model.parameters()}  # bf16 copies: 2 bytes per element
+    copies = [n for _, n in casts if n in weights]
+    assert sorted(copies) == sorted(p.numel() * 2 for p in model.parameters())  # each parameter cast once
+
+
+@pytest.mark.slow
+def test_mixed_precision_on_a_tiny_preset_equals_real_steps():
+    def model_fn():
+        return memkit.load_model("flux", size="tiny", dtype=torch.float32)
+
+    for precision in ("bf16", "fp16"):
+        first, steady = real_steps(2, model_fn, lambda m: memkit.make_inputs(m), mixed_precision=precision)
+        tl = memkit.estimate("flux", size="tiny", device="cpu", mixed_precision=precision, memoize=False)
+        assert tl.meta["first_step_peak_bytes"] == first.peak_bytes
+        assert tl.meta["steady_peak_bytes"] == steady.peak_bytes
+
+
+def test_mixed_precision_runs_every_block_and_says_why():
+    # autocast frees every block's cast copies at once when the forward ends: not a sum over blocks
+    tl = memkit.estimate("flux", size="tiny", mixed_precision="bf16")
+    assert not tl.meta["memoized"]
+    assert tl.meta["memo"] == "mixed_precision='bf16' frees its cast cache of every block at once"
+
+
+def test_mixed_precision_keeps_the_weights_and_the_state_in_fp32():
+    torch.manual_seed(0)
+    model, x = Wide(width=16, depth=2), {"x": torch.randn(8, 16)}
+    runner = memkit.Step(optimizer="adamw", mixed_precision="fp16").bind(model)
+    runner.run(x)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    state = [t for s in runner.optimizer.state.values() for t in s.values() if t.dim()]
+    assert state and {t.dtype for t in state} == {torch.float32}
+    assert runner.scaler is not None and runner.scaler.get_scale() > 1  # loss scaling ran
+
+
+@pytest.mark.parametrize("value", ["bf32", "fp32", torch.bfloat16, True])
+def test_bad_mixed_precision_names_the_argument(value):
+    with pytest.raises(ValueError, match=r"mixed_precision must be one of \[None, 'bf16', 'fp16'\]"):
+        memkit.Step(mixed_precision=value)
+
+
+def test_mixed_precision_refuses_low_precision_master_weights():
+    with pytest.raises(ValueError, match="dtype must be torch.float32 or None with it"):
+        memkit.estimate("dit", size="tiny", mixed_precision="bf16", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="mixed_precision='bf16' keeps the trained weights in float32"):
+        memkit.Step(mixed_precision="bf16").bind(Wide().to(torch.bfloat16))
+    frozen = Wide().to(torch.bfloat16).requires_grad_(False)  # the LoRA scripts' base: bf16, frozen
+    memkit.Step(mixed_precision="bf16").bind(frozen)
+    assert memkit.estimate("dit", size="tiny", mixed_precision="bf16").meta["dtype"] == "float32"
+    assert str(memkit.Step(optimizer="adamw", mixed_precision="bf16")) == "training (adamw, mixed bf16)"
+
+
+def test_the_command_line_takes_mixed_precision(capsys):
+    from memkit.cli import main
+
+    assert main(["estimate", "dit", "--size", "tiny", "--mixed-precision", "bf16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["mixed_precision"], result["dtype"]) == ("bf16", "float32")
+    assert result["peak_bytes"] == memkit.estimate("dit", size="tiny", mixed_precision="bf16").peak_bytes
+    assert main(["estimate", "dit", "--size", "tiny", "--mixed-precision", "fp16", "--dtype", "bf16"]) == 2
+    assert "--mixed-precision fp16 keeps fp32 master weights: drop --dtype bf16" in capsys.readouterr().err
+    assert main(["estimate", "dit", "--size", "tiny", "--mixed-precision", "fp8"]) == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err

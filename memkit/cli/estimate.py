@@ -105,11 +105,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(
             "--grad-accum applies to training only (micro-batches of a training step); drop it or --inference"
         )
+    if args.mixed_precision is not None and args.dtype not in (None, "fp32"):
+        raise CLIError(
+            f"--mixed-precision {args.mixed_precision} keeps fp32 master weights: drop --dtype {args.dtype} (or give "
+            f"--dtype fp32); for pure {args.dtype} weights drop --mixed-precision"
+        )
     check_writable(args.html)
     check_writable(args.png)
     settings = dict(
         mode=args.mode,
-        dtype=DTYPES[args.dtype],
+        dtype=DTYPES[args.dtype] if args.dtype is not None else None,
         size=args.size,
         optimizer=optimizer,
         steps=args.steps,
@@ -117,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         parallel=parallel,
         grad_accum=args.grad_accum,
+        mixed_precision=args.mixed_precision,
         **sizes,
     )
     plan = None
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         "device": args.device,
         "steps": meta["steps"],
         "grad_accum": meta["grad_accum"],
+        "mixed_precision": meta["mixed_precision"],
         "measured": meta["measured"],
         "bytes": meta["bytes"],
         "batch_size": args.batch_size,
@@ -192,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
     inputs += [f"{shape['text_len']} text tokens"] if "text_len" in shape else []
     inputs = ", ".join(inputs)
     print(
-        f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}, "
+        f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}"
+        + (f" (mixed {meta['mixed_precision']})" if meta["mixed_precision"] else "")
+        + ", "
         f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}"
         + (f" x {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
         + f", {inputs}"
