@@ -94,6 +94,7 @@ def estimate(
     memoize: bool = True,
     grad_accum: int = 1,
     mixed_precision: str | None = None,
+    fused_backward: bool = False,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -129,6 +130,8 @@ def estimate(
         mixed_precision: ``"bf16"`` or ``"fp16"`` (:attr:`memkit.Step.mixed_precision`): fp32 weights, gradients
             and optimizer state, the forward under CPU autocast (the estimate's tensors are fake CPU ones; where
             CUDA's op list differs, ``memkit._precision`` says), fp16 with a gradient scaler. None: pure ``dtype``.
+        fused_backward: update each parameter and free its gradient in the backward
+            (:attr:`memkit.Step.fused_backward`).
         device: the device being estimated: ``"cuda"`` (default: adds the CUDA allocator's 512-byte rounding,
             drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA, except for an
             optimizer FSDP's CPU offload runs on the CPU) or ``"cpu"`` (CPU kernels' own buffers, learned once
@@ -164,7 +167,15 @@ def estimate(
         >>> tl = memkit.estimate("flux", optimizations=[memkit.Checkpointing()])   # bf16 AdamW on a GPU
         >>> tl.peak_bytes / 2**30, tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"]
     """
-    step = _step_of(step, mode, optimizer, steps, grad_accum=grad_accum, mixed_precision=mixed_precision)
+    step = _step_of(
+        step,
+        mode,
+        optimizer,
+        steps,
+        grad_accum=grad_accum,
+        mixed_precision=mixed_precision,
+        fused_backward=fused_backward,
+    )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype is None:  # mixed precision keeps fp32 master weights; a pure-dtype step is bf16 by default
@@ -257,6 +268,7 @@ def estimate(
         steps=n,
         grad_accum=step.grad_accum,
         mixed_precision=step.mixed_precision,
+        fused_backward=step.fused_backward,
         measured=step.measured,
         step_starts=starts,
         first_step_peak_bytes=first,

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from ._fused import fuse
 from ._precision import MIXED_PRECISION, MixedPrecision, Scaler, autocast_dtype, check_master_weights
 from .handle import Handle
 from .memory.recording import phase, tag
@@ -204,6 +205,13 @@ class Step:
     weights, gradients and state, plus the cast copies; against pure fp32 it saves about half the activations. On
     the CPU's autocast op list (see :mod:`memkit._precision` for where CUDA's differs). None: no autocast, every op
     in the weights' dtype."""
+    fused_backward: bool = False
+    """Step the optimizer inside the backward (OneTrainer's and SimpleTuner's fused back pass): each parameter is
+    updated in its ``register_post_accumulate_grad_hook`` and its gradient freed at once (:mod:`memkit._fused`), so no
+    full set of gradients ever lives: it saves up to one set of gradients (full fine-tuning: the weights' size) where
+    the peak holds them (the update), for the same compute. It needs an optimizer, and refuses ``grad_accum > 1``
+    (accumulation keeps every gradient until the last micro-batch: the very memory it frees) and
+    ``mixed_precision="fp16"`` (the gradient scaler must see every gradient before any update)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -230,6 +238,25 @@ class Step:
                 f"mixed_precision must be one of {[None, *MIXED_PRECISION]}, got {self.mixed_precision!r} (the pure "
                 "dtype is the model's own: build it in that dtype)"
             )
+        if self.fused_backward not in (True, False):
+            raise ValueError(f"fused_backward must be True or False, got {self.fused_backward!r}")
+        if self.fused_backward:
+            if not self.training or self.optimizer is None:
+                raise ValueError(
+                    "fused_backward=True steps the optimizer in the backward: it needs a training step "
+                    "with an optimizer (mode='training', optimizer=...)"
+                )
+            if self.grad_accum > 1:
+                raise ValueError(
+                    f"fused_backward=True updates each parameter and frees its gradient in the backward, so there is "
+                    f"nothing to accumulate into: it refuses grad_accum={self.grad_accum} (accumulation would keep a "
+                    "full set of gradients alive until the last micro-batch, the memory fused_backward saves)"
+                )
+            if self.mixed_precision == "fp16":
+                raise ValueError(
+                    "fused_backward=True refuses mixed_precision='fp16': the gradient scaler must see "
+                    "every gradient (to skip a step with one that is not finite) before any update"
+                )
         if self.grad_accum > 1 and self.mode == "inference":
             raise ValueError(
                 "grad_accum is only used in training (micro-batches of a training step); pass grad_accum=1"
@@ -285,6 +312,7 @@ class Step:
             return f"inference (mixed {self.mixed_precision})" if self.mixed_precision else "inference"
         extra = f", mixed {self.mixed_precision}" if self.mixed_precision else ""
         extra += f", {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
+        extra += ", fused backward" if self.fused_backward else ""
         return f"training ({self.optimizer or 'no optimizer'}{extra})"
 
 
@@ -306,6 +334,8 @@ class StepRunner:
     ) -> None:
         self.step, self.model, self.optimizer, self.handle = step, model, optimizer, handle
         self.autocast = self.scaler = None
+        # the update runs in the backward's hooks: no step after it (self.optimizer stays, for tracking its state)
+        self.fused = fuse(optimizer) if step.fused_backward and optimizer is not None else []
         if step.mixed_precision is not None:
             device = next((p.device.type for p in model.parameters()), "cpu")
             self.autocast = (device, autocast_dtype(step.mixed_precision))
@@ -328,9 +358,15 @@ class StepRunner:
         """
         step = self.step
         return _run(
-            self.model, inputs, step.mode, self.optimizer, self.handle, on_output, on_grads,
+            self.model, inputs, step.mode, None if self.fused else self.optimizer, self.handle, on_output, on_grads,
             grad_accum=step.grad_accum, autocast=self.autocast, scaler=self.scaler,
         )  # fmt: skip
+
+    def remove(self) -> None:
+        """Take the fused backward's hooks off the model's parameters (nothing else to undo)."""
+        for h in self.fused:
+            h.remove()
+        self.fused = []
 
     def tracked_objects(self) -> dict[str, Any]:
         """What ``memkit.track`` needs to count this runner's memory from the start: the model, its

@@ -253,3 +253,71 @@ def test_the_command_line_takes_mixed_precision(capsys):
     assert "--mixed-precision fp16 keeps fp32 master weights: drop --dtype bf16" in capsys.readouterr().err
     assert main(["estimate", "dit", "--size", "tiny", "--mixed-precision", "fp8"]) == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+# ---- fused backward -------------------------------------------------------------------------------------------
+
+
+def _most_gradient_bytes(tl: memkit.Timeline) -> int:
+    return int(tl.live_by_category()["gradient"].max())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_fused_backward_estimate_equals_real_steps_to_the_byte(optimizer):
+    first, steady = real_steps(2, optimizer=optimizer, fused_backward=True)
+    tl = estimate_cpu(optimizer=optimizer, fused_backward=True)
+    assert tl.meta["fused_backward"] is True
+    assert tl.meta["first_step_peak_bytes"] == first.peak_bytes
+    assert tl.meta["steady_peak_bytes"] == steady.peak_bytes
+
+
+def test_fused_backward_never_holds_a_full_set_of_gradients():
+    # one layer's gradients at a time: its backward node makes the weight's and the bias's together, and each is
+    # freed by its hook as soon as it is accumulated, before the next layer's node runs
+    largest = max(sum(p.numel() * 4 for p in m.parameters()) for m in Wide().layers)
+    fused = real_steps(2, fused_backward=True)
+    plain = real_steps(2)
+    assert _most_gradient_bytes(fused[1]) == largest
+    assert _most_gradient_bytes(plain[1]) == sum(p.numel() * 4 for p in Wide().parameters())
+    assert _most_gradient_bytes(fused[0]) < _most_gradient_bytes(plain[0])
+
+
+def test_fused_backward_updates_as_the_plain_step_does():
+    torch.manual_seed(0)
+    a, x = Wide(width=16, depth=2), {"x": torch.randn(8, 16)}
+    b = Wide(width=16, depth=2)
+    b.load_state_dict(a.state_dict())
+    for model, fused in ((a, False), (b, True)):
+        runner = memkit.Step(optimizer="adamw", fused_backward=fused).bind(model)
+        for _ in range(2):
+            runner.run(x)
+        runner.remove()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        assert q.grad is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(fused_backward=True, grad_accum=2), "fused_backward=True .* refuses grad_accum=2"),
+        (dict(fused_backward=True, optimizer=None), "fused_backward=True steps the optimizer in the backward"),
+        (dict(fused_backward=True, mixed_precision="fp16"), "fused_backward=True refuses mixed_precision='fp16'"),
+        (dict(fused_backward="yes"), "fused_backward must be True or False"),
+    ],
+)
+def test_bad_fused_backward_says_why(kwargs, message):
+    kwargs.setdefault("optimizer", "adamw")
+    with pytest.raises(ValueError, match=message):
+        memkit.Step(**kwargs)
+
+
+def test_the_command_line_takes_fused_backward(capsys):
+    from memkit.cli import main
+
+    assert main(["estimate", "dit", "--size", "tiny", "--fused-backward", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fused_backward"] is True
+    assert result["peak_bytes"] == memkit.estimate("dit", size="tiny", fused_backward=True).peak_bytes
+    assert main(["estimate", "dit", "--size", "tiny", "--fused-backward", "--grad-accum", "2"]) == 2
+    assert "refuses grad_accum=2" in capsys.readouterr().err

@@ -172,6 +172,12 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         help="fp32 master weights, gradients and optimizer state, the forward under autocast to this dtype (as "
         "accelerate's --mixed_precision); fp16 adds a gradient scaler. --dtype stays the pure-dtype switch",
     )
+    recipe.add_argument(
+        "--fused-backward",
+        action="store_true",
+        help="update each parameter and free its gradient in the backward (a fused back pass): no full set of "
+        "gradients ever lives; refuses --grad-accum N > 1",
+    )
     for key, unit in SIZE_FLAGS.items():
         p.add_argument(
             "--" + key.replace("_", "-"),

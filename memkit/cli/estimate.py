@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         parallel=parallel,
         grad_accum=args.grad_accum,
         mixed_precision=args.mixed_precision,
+        fused_backward=args.fused_backward,
         **sizes,
     )
     plan = None
@@ -150,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         "steps": meta["steps"],
         "grad_accum": meta["grad_accum"],
         "mixed_precision": meta["mixed_precision"],
+        "fused_backward": meta["fused_backward"],
         "measured": meta["measured"],
         "bytes": meta["bytes"],
         "batch_size": args.batch_size,
