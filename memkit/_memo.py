@@ -84,8 +84,11 @@ def _identical(blocks: nn.ModuleList) -> bool:
     return all(_signature(b) == middle for b in list(blocks)[1:-1])
 
 
-def unsupported(optimizations: Sequence[Any], parallel: Any) -> str | None:
+def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -> str | None:
     """Why an estimate with these settings runs every block, or None when it can be memoized."""
+    if step is not None and getattr(step, "mixed_precision", None) is not None:
+        # autocast frees its cast cache (every block's weight copies) when the forward ends, outside the blocks
+        return f"mixed_precision={step.mixed_precision!r} frees its cast cache of every block at once"
     from .optimizations.checkpointing import Checkpointing
     from .optimizations.feedforward import FFSplit
     from .optimizations.lora import LoRA

@@ -43,7 +43,7 @@ from .handle import Optimization, apply_all
 from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
-from .memory.recording import track
+from .memory.recording import _owned_of, track
 from .memory.timeline import Timeline
 from .models import _default_dtype, load_model, make_inputs
 from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order, split_parallel
@@ -82,7 +82,7 @@ def estimate(
     mode: str = "training",
     step: Step | None = None,
     optimizations: Sequence[Optimization] = (),
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     size: str = "full",
     optimizer: str | None = "auto",
     steps: int | None = None,
@@ -92,6 +92,9 @@ def estimate(
     progress: bool | None = None,
     parallel: FSDP | None = None,
     memoize: bool = True,
+    grad_accum: int = 1,
+    mixed_precision: str | None = None,
+    fused_backward: bool = False,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -111,16 +114,24 @@ def estimate(
         inputs: a callable ``inputs(model)`` returning the forward kwargs, or None for
             ``memkit.make_inputs(model, batch_size, **sizes)``.
         mode: ``"training"`` (forward, loss, backward, optimizer step if any) or ``"inference"``.
-        step: the :class:`memkit.Step` to run, instead of ``mode``, ``optimizer`` and ``steps`` (give one or
-            the others). Its ``foreach`` defaults to what torch uses on ``device``.
+        step: the :class:`memkit.Step` to run, instead of ``mode``, ``optimizer``, ``steps`` and ``grad_accum``
+            (give one or the others). Its ``foreach`` defaults to what torch uses on ``device``.
         optimizations: optimization objects, applied with ``.apply(model)`` as in a real run; the memory
             their handles own is counted in its category. A :class:`memkit.FSDP` among them is ``parallel``.
-        dtype: parameter and input dtype (default bf16).
+        dtype: parameter and input dtype: None (default) is bf16, or fp32 under ``mixed_precision`` (which refuses
+            any other: its master weights are fp32).
         optimizer: ``"auto"`` (AdamW in training, none in inference), a name in
             :data:`memkit.optimizers.OPTIMIZERS` (``"adamw"``, ``"adamw8bit"``, ``"prodigy"``...) or None (training
             only). With None, gradients accumulate across steps as in a loop of ``loss.backward()``.
         steps: None (default): in training the first and the steady step, both measured (see above); in
             inference one pass. An int N: run N steps and measure only the last (``steps=1``: the first step).
+        grad_accum: micro-batches per step (:attr:`memkit.Step.grad_accum`): the gradients of the first live
+            through the forward and backward of every later one.
+        mixed_precision: ``"bf16"`` or ``"fp16"`` (:attr:`memkit.Step.mixed_precision`): fp32 weights, gradients
+            and optimizer state, the forward under CPU autocast (the estimate's tensors are fake CPU ones; where
+            CUDA's op list differs, ``memkit._precision`` says), fp16 with a gradient scaler. None: pure ``dtype``.
+        fused_backward: update each parameter and free its gradient in the backward
+            (:attr:`memkit.Step.fused_backward`).
         device: the device being estimated: ``"cuda"`` (default: adds the CUDA allocator's 512-byte rounding,
             drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA, except for an
             optimizer FSDP's CPU offload runs on the CPU) or ``"cpu"`` (CPU kernels' own buffers, learned once
@@ -156,9 +167,25 @@ def estimate(
         >>> tl = memkit.estimate("flux", optimizations=[memkit.Checkpointing()])   # bf16 AdamW on a GPU
         >>> tl.peak_bytes / 2**30, tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"]
     """
-    step = _step_of(step, mode, optimizer, steps)
+    step = _step_of(
+        step,
+        mode,
+        optimizer,
+        steps,
+        grad_accum=grad_accum,
+        mixed_precision=mixed_precision,
+        fused_backward=fused_backward,
+    )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dtype is None:  # mixed precision keeps fp32 master weights; a pure-dtype step is bf16 by default
+        dtype = torch.float32 if step.mixed_precision is not None else torch.bfloat16
+    elif step.mixed_precision is not None and dtype != torch.float32:
+        raise ValueError(
+            f"mixed_precision={step.mixed_precision!r} keeps fp32 master weights (autocast computes in "
+            f"{step.mixed_precision}): dtype must be torch.float32 or None with it, got {dtype!r}; for pure "
+            f"{str(dtype).replace('torch.', '')} weights leave mixed_precision=None"
+        )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if isinstance(model, str):
@@ -199,12 +226,12 @@ def estimate(
     # per-parameter loop (what estimating on CPU tensors gives by itself)
     host_optimizer = parallel is not None and parallel.cpu_offload
     if step.foreach is None and cuda and step.optimizer is not None and not host_optimizer:
-        step = Step(mode=step.mode, optimizer=step.optimizer, steps=step.steps, foreach=True)
+        step = dataclasses.replace(step, foreach=True)
     if progress is None:
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
     n = step.runs
-    why_not = "memoize=False" if not memoize else _memo.unsupported(optimizations, parallel)
+    why_not = "memoize=False" if not memoize else _memo.unsupported(optimizations, parallel, step)
     run = dict(
         model_fn=model_fn, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype,
         batch_size=batch_size, device=device, seed=seed, parallel=parallel, progress=progress, label=label,
@@ -239,6 +266,9 @@ def estimate(
         dtype=str(dtype).replace("torch.", ""),
         optimizer=step.optimizer,
         steps=n,
+        grad_accum=step.grad_accum,
+        mixed_precision=step.mixed_precision,
+        fused_backward=step.fused_backward,
         measured=step.measured,
         step_starts=starts,
         first_step_peak_bytes=first,
@@ -308,7 +338,8 @@ def _measure(
             objects = runner.tracked_objects()
             host_keys = _storage_keys(t for ts in host.values() for t in ts)
             objects["owned"] = {  # what lives in host memory is not on the planned device
-                c: [t for t in ts if t.untyped_storage()._cdata not in host_keys] for c, ts in handle.owned().items()
+                c: [t for t in ts if t.untyped_storage()._cdata not in host_keys]
+                for c, ts in _owned_of(objects["owned"]).items()
             }
             starts = []
             with track(
@@ -440,15 +471,20 @@ def clear_cache() -> None:
     _RESULTS.clear()
 
 
-def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int | None) -> Step:
+def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int | None, **options: Any) -> Step:
+    """The step an estimate runs: ``step``, or one built from ``mode``, ``optimizer``, ``steps`` and the recipe
+    ``options`` (``grad_accum``...), which keep :class:`Step`'s defaults when ``step`` is given."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Step)}
     if step is None:
         if optimizer == "auto":
             optimizer = "adamw" if mode == "training" else None
         elif optimizer is not None and mode == "training" and optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be 'auto', one of {list(OPTIMIZERS)} or None, got {optimizer!r}")
-        return Step(mode=mode, optimizer=optimizer, steps=steps)  # validates each argument by name
+        return Step(mode=mode, optimizer=optimizer, steps=steps, **options)  # validates each argument by name
     if not isinstance(step, Step):
         raise TypeError(f"step must be a memkit.Step or None, got {type(step).__name__}")
-    if (mode, optimizer, steps) != ("training", "auto", None):
-        raise ValueError("give either step or mode/optimizer/steps, not both")
+    given = [k for k, v in options.items() if v != defaults[k]]
+    if (mode, optimizer, steps) != ("training", "auto", None) or given:
+        names = "/".join(["mode", "optimizer", "steps", *options])
+        raise ValueError(f"give either step or {names}, not both")
     return step

@@ -14,6 +14,7 @@ The loss is ``mean(output ** 2)`` in float32: a stand-in for the diffusion loss 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from typing import Any, Literal
 
 import torch
 
+from ._fused import fuse
+from ._precision import MIXED_PRECISION, MixedPrecision, Scaler, autocast_dtype, check_master_weights
 from .handle import Handle
-from .memory.recording import phase
+from .memory.recording import phase, tag
 from .optimizers import OPTIMIZERS, OptimizerName, make_optimizer
 
 __all__ = ["MODES", "OPTIMIZERS", "Step", "StepRunner", "check_inputs", "make_optimizer", "model_output", "train_step"]
@@ -89,29 +92,50 @@ def _run(
     handle: Handle | None,
     on_output: OutputHook | None,
     on_grads: GradsHook | None,
+    *,
+    grad_accum: int = 1,
+    autocast: tuple[str, torch.dtype] | None = None,
+    scaler: Scaler | None = None,
 ) -> torch.Tensor | None:
     check_inputs(model, inputs)
+    forward = torch.autocast(*autocast) if autocast is not None else contextlib.nullcontext()
     if mode == "inference":
-        with torch.no_grad():
+        with torch.no_grad(), forward:
             out = model_output(model(**inputs))
             if on_output is not None:
                 on_output(out)
             del out
         loss = None
     else:
-        out = model_output(model(**inputs))
-        if on_output is not None:
-            on_output(out)
-        with phase("forward"):  # the loss belongs to the forward: what backward keeps of it is an activation
-            loss = out.float().pow(2).mean()
-        del out  # hold nothing the step itself would not hold
-        loss.backward()
+        loss = None
+        for _ in range(grad_accum):  # micro-batches: each backward adds into the gradients the last one left
+            # autocast around the forward only (as accelerate wraps model.forward): its cast cache ends with it
+            with forward:
+                out = model_output(model(**inputs))
+            if on_output is not None:
+                on_output(out)
+            with phase("forward"):  # the loss belongs to the forward: what backward keeps of it is an activation
+                micro = out.float().pow(2).mean()
+                if grad_accum > 1:  # as accelerate scales it: the summed gradients are the mean over micro-batches
+                    micro = micro / grad_accum
+                scaled = scaler.scale(micro) if scaler is not None else micro
+            del out  # hold nothing the step itself would not hold
+            if scaler is not None:
+                tag(scaler.state_tensors(), "optimizer_state")  # made by the first scale(), kept across steps
+            scaled.backward()
+            del scaled
+            micro = micro.detach()
+            loss = micro if loss is None else loss + micro
+            del micro
         if on_grads is not None:
             on_grads(model)
         if optimizer is not None:
-            optimizer.step()
+            if scaler is not None:  # unscales the gradients in place, steps unless one is not finite
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        loss = loss.detach()
     if handle is not None:
         handle.after_step()
     return loss
@@ -164,6 +188,30 @@ class Step:
     foreach: bool | None = None
     """The optimizer's foreach implementation (one fused kernel per op over all tensors, with a temporary per
     op). None: torch's default for the device (foreach on CUDA, per-tensor loops on CPU)."""
+    grad_accum: int = 1
+    """Gradient accumulation: one step is ``grad_accum`` forward and backward passes (micro-batches, each on the
+    step's inputs, its loss divided by ``grad_accum`` as accelerate does), then one optimizer update and
+    ``zero_grad``. The gradients live from the first micro-batch's backward to the update, so every later
+    micro-batch's forward and backward runs beside a full set of gradients: the peak can grow by up to one set of
+    gradients over ``grad_accum=1`` (where gradients exist only from the backward on). It buys a batch
+    ``grad_accum`` times larger at the activation memory of one micro-batch, for ``grad_accum`` times the compute."""
+    mixed_precision: MixedPrecision | None = None
+    """``"bf16"`` or ``"fp16"``: what accelerate and the diffusers scripts call mixed precision. The weights, their
+    gradients and the optimizer state stay fp32 (the model must be built in fp32: its trainable parameters are
+    checked at ``bind``); the forward runs under ``torch.autocast``, which casts each weight to a low-precision copy
+    kept in its cast cache until the forward ends (the copies the backward needs live on as activations); the loss
+    and the backward run outside it. ``"fp16"`` adds a ``torch.amp.GradScaler`` (loss scaling; gradients unscaled in
+    place before the update). Against pure bf16 weights (``mixed_precision=None`` on a bf16 model) it costs twice the
+    weights, gradients and state, plus the cast copies; against pure fp32 it saves about half the activations. On
+    the CPU's autocast op list (see :mod:`memkit._precision` for where CUDA's differs). None: no autocast, every op
+    in the weights' dtype."""
+    fused_backward: bool = False
+    """Step the optimizer inside the backward (OneTrainer's and SimpleTuner's fused back pass): each parameter is
+    updated in its ``register_post_accumulate_grad_hook`` and its gradient freed at once (:mod:`memkit._fused`), so no
+    full set of gradients ever lives: it saves up to one set of gradients (full fine-tuning: the weights' size) where
+    the peak holds them (the update), for the same compute. It needs an optimizer, and refuses ``grad_accum > 1``
+    (accumulation keeps every gradient until the last micro-batch: the very memory it frees) and
+    ``mixed_precision="fp16"`` (the gradient scaler must see every gradient before any update)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -183,6 +231,36 @@ class Step:
             )
         if self.foreach not in (None, True, False):
             raise ValueError(f"foreach must be True, False or None, got {self.foreach!r}")
+        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be an int >= 1 (micro-batches per step), got {self.grad_accum!r}")
+        if self.mixed_precision not in (None, *MIXED_PRECISION):
+            raise ValueError(
+                f"mixed_precision must be one of {[None, *MIXED_PRECISION]}, got {self.mixed_precision!r} (the pure "
+                "dtype is the model's own: build it in that dtype)"
+            )
+        if self.fused_backward not in (True, False):
+            raise ValueError(f"fused_backward must be True or False, got {self.fused_backward!r}")
+        if self.fused_backward:
+            if not self.training or self.optimizer is None:
+                raise ValueError(
+                    "fused_backward=True steps the optimizer in the backward: it needs a training step "
+                    "with an optimizer (mode='training', optimizer=...)"
+                )
+            if self.grad_accum > 1:
+                raise ValueError(
+                    f"fused_backward=True updates each parameter and frees its gradient in the backward, so there is "
+                    f"nothing to accumulate into: it refuses grad_accum={self.grad_accum} (accumulation would keep a "
+                    "full set of gradients alive until the last micro-batch, the memory fused_backward saves)"
+                )
+            if self.mixed_precision == "fp16":
+                raise ValueError(
+                    "fused_backward=True refuses mixed_precision='fp16': the gradient scaler must see "
+                    "every gradient (to skip a step with one that is not finite) before any update"
+                )
+        if self.grad_accum > 1 and self.mode == "inference":
+            raise ValueError(
+                "grad_accum is only used in training (micro-batches of a training step); pass grad_accum=1"
+            )
 
     @property
     def training(self) -> bool:
@@ -224,13 +302,18 @@ class Step:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if handle is not None and not isinstance(handle, Handle):
             raise TypeError(f"handle must be a memkit.Handle or None, got {type(handle).__name__}")
+        if self.mixed_precision is not None:
+            check_master_weights(model, self.mixed_precision)
         optimizer = make_optimizer(self.optimizer, model.parameters(), foreach=self.foreach) if self.training else None
         return StepRunner(self, model, optimizer, handle)
 
     def __str__(self) -> str:
         if not self.training:
-            return "inference"
-        return f"training ({self.optimizer or 'no optimizer'})"
+            return f"inference (mixed {self.mixed_precision})" if self.mixed_precision else "inference"
+        extra = f", mixed {self.mixed_precision}" if self.mixed_precision else ""
+        extra += f", {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
+        extra += ", fused backward" if self.fused_backward else ""
+        return f"training ({self.optimizer or 'no optimizer'}{extra})"
 
 
 class StepRunner:
@@ -250,6 +333,14 @@ class StepRunner:
         handle: Handle | None,
     ) -> None:
         self.step, self.model, self.optimizer, self.handle = step, model, optimizer, handle
+        self.autocast = self.scaler = None
+        # the update runs in the backward's hooks: no step after it (self.optimizer stays, for tracking its state)
+        self.fused = fuse(optimizer) if step.fused_backward and optimizer is not None else []
+        if step.mixed_precision is not None:
+            device = next((p.device.type for p in model.parameters()), "cpu")
+            self.autocast = (device, autocast_dtype(step.mixed_precision))
+            if step.mixed_precision == "fp16" and step.training and optimizer is not None:
+                self.scaler = Scaler(device)
 
     def run(
         self,
@@ -258,18 +349,33 @@ class StepRunner:
         on_output: OutputHook | None = None,
         on_grads: GradsHook | None = None,
     ) -> torch.Tensor | None:
-        """One step on ``inputs``; returns the loss (None in inference).
+        """One step on ``inputs``; returns the loss (None in inference; with ``grad_accum``, the sum of the
+        micro-batches' divided losses).
 
-        ``on_output(output)`` sees the model's output tensor before the loss, ``on_grads(model)`` the model
-        after backward and before the update: ``compare`` uses them to record what it compares. They are
-        called with references only; what they keep is on them.
+        ``on_output(output)`` sees the model's output tensor before the loss (each micro-batch's, with
+        ``grad_accum``), ``on_grads(model)`` the model after the (last) backward and before the update: ``compare``
+        uses them to record what it compares. They are called with references only; what they keep is on them.
         """
-        return _run(self.model, inputs, self.step.mode, self.optimizer, self.handle, on_output, on_grads)
+        step = self.step
+        return _run(
+            self.model, inputs, step.mode, None if self.fused else self.optimizer, self.handle, on_output, on_grads,
+            grad_accum=step.grad_accum, autocast=self.autocast, scaler=self.scaler,
+        )  # fmt: skip
+
+    def remove(self) -> None:
+        """Take the fused backward's hooks off the model's parameters (nothing else to undo)."""
+        for h in self.fused:
+            h.remove()
+        self.fused = []
 
     def tracked_objects(self) -> dict[str, Any]:
         """What ``memkit.track`` needs to count this runner's memory from the start: the model, its
         optimizer and the memory the optimizations own."""
-        return {"model": self.model, "optimizer": self.optimizer, "owned": self.handle}
+        owned = self.handle
+        if self.scaler is not None and self.scaler.state_tensors():  # its scale, made by the first step
+            owned = dict(self.handle.owned()) if self.handle is not None else {}
+            owned["optimizer_state"] = [*owned.get("optimizer_state", []), *self.scaler.state_tensors()]
+        return {"model": self.model, "optimizer": self.optimizer, "owned": owned}
 
     def __repr__(self) -> str:
         return f"StepRunner({self.step}, {type(self.model).__name__})"

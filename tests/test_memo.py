@@ -100,6 +100,8 @@ SETTINGS = {
     "sgd-3-steps": dict(optimizer="sgd", steps=3),
     "no-optimizer": dict(optimizer=None),
     "first-step": dict(steps=1),
+    "grad-accum-2": dict(grad_accum=2),
+    "fused-backward": dict(fused_backward=True),
     "inference": dict(mode="inference"),
     "fp32-cpu": dict(device="cpu", dtype=torch.float32, optimizer="adam"),
     "batch-2": dict(batch_size=2),

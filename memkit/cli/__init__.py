@@ -114,6 +114,8 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux --fsdp 8                 # per GPU, sharded over 8 GPUs with FSDP2\n"
         "  memkit estimate flux --fsdp 8,cpu-offload     # the same, shards and optimizer in CPU memory\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
+        "  memkit estimate flux --grad-accum 4           # 4 micro-batches per optimizer step\n"
+        "  memkit estimate flux --mixed-precision bf16   # fp32 weights and AdamW, bf16 autocast\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n\n" + _presets_epilog(),
         formatter_class=_Formatter,
     )
@@ -131,7 +133,12 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "--inference", dest="mode", action="store_const", const="inference", help="forward only, under no_grad"
     )
     p.set_defaults(mode="training")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="parameter and input dtype")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="parameter and input dtype, pure: every op in it (default: bf16; fp32 with --mixed-precision)",
+    )
     p.add_argument(
         "--optimizer",
         choices=(*OPTIMIZERS, "none"),
@@ -149,6 +156,28 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "being the answer",
     )
     p.add_argument("--batch-size", type=int, default=1, metavar="N", help="samples per step")
+    recipe = p.add_argument_group("training recipe")
+    recipe.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gradient accumulation over N micro-batches (of --batch-size each) per optimizer step: the gradients "
+        "of the first live through every later micro-batch's forward and backward",
+    )
+    recipe.add_argument(
+        "--mixed-precision",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="fp32 master weights, gradients and optimizer state, the forward under autocast to this dtype (as "
+        "accelerate's --mixed_precision); fp16 adds a gradient scaler. --dtype stays the pure-dtype switch",
+    )
+    recipe.add_argument(
+        "--fused-backward",
+        action="store_true",
+        help="update each parameter and free its gradient in the backward (a fused back pass): no full set of "
+        "gradients ever lives; refuses --grad-accum N > 1",
+    )
     for key, unit in SIZE_FLAGS.items():
         p.add_argument(
             "--" + key.replace("_", "-"),

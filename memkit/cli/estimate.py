@@ -99,17 +99,31 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--steps takes an int >= 1 (1: the first step alone), got {args.steps}")
     if args.steps == 1 and not training:
         raise CLIError("--steps 1 asks for the first training step; an inference pass has no first or steady step")
+    if args.grad_accum < 1:
+        raise CLIError(f"--grad-accum takes an int >= 1 (micro-batches per optimizer step), got {args.grad_accum}")
+    if args.grad_accum > 1 and not training:
+        raise CLIError(
+            "--grad-accum applies to training only (micro-batches of a training step); drop it or --inference"
+        )
+    if args.mixed_precision is not None and args.dtype not in (None, "fp32"):
+        raise CLIError(
+            f"--mixed-precision {args.mixed_precision} keeps fp32 master weights: drop --dtype {args.dtype} (or give "
+            f"--dtype fp32); for pure {args.dtype} weights drop --mixed-precision"
+        )
     check_writable(args.html)
     check_writable(args.png)
     settings = dict(
         mode=args.mode,
-        dtype=DTYPES[args.dtype],
+        dtype=DTYPES[args.dtype] if args.dtype is not None else None,
         size=args.size,
         optimizer=optimizer,
         steps=args.steps,
         batch_size=args.batch_size,
         device=args.device,
         parallel=parallel,
+        grad_accum=args.grad_accum,
+        mixed_precision=args.mixed_precision,
+        fused_backward=args.fused_backward,
         **sizes,
     )
     plan = None
@@ -135,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         "optimizer": optimizer,
         "device": args.device,
         "steps": meta["steps"],
+        "grad_accum": meta["grad_accum"],
+        "mixed_precision": meta["mixed_precision"],
+        "fused_backward": meta["fused_backward"],
         "measured": meta["measured"],
         "bytes": meta["bytes"],
         "batch_size": args.batch_size,
@@ -184,8 +201,12 @@ def run(args: argparse.Namespace) -> int:
     inputs += [f"{shape['text_len']} text tokens"] if "text_len" in shape else []
     inputs = ", ".join(inputs)
     print(
-        f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}, "
-        f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}, {inputs}"
+        f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}"
+        + (f" (mixed {meta['mixed_precision']})" if meta["mixed_precision"] else "")
+        + ", "
+        f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}"
+        + (f" x {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
+        + f", {inputs}"
     )
     print(f"optimizations: {', '.join(result['optimizations']) or 'none'}")
     if parallel is not None:
