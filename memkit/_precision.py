@@ -46,7 +46,8 @@ def check_master_weights(model: torch.nn.Module, name: str) -> None:
         raise ValueError(
             f"mixed_precision={name!r} keeps the trained weights in float32 (autocast computes in "
             f"{str(_DTYPES[name]).replace('torch.', '')}); this model's trainable parameters are {bad}: build it in "
-            "float32, or use mixed_precision=None for pure low-precision weights"
+            "float32 (dtype=torch.float32), train fp32 adapters on a frozen low-precision base "
+            "(memkit.LoRA(dtype=torch.float32)), or use mixed_precision=None for pure low-precision weights"
         )
 
 

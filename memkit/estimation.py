@@ -118,8 +118,10 @@ def estimate(
             (give one or the others). Its ``foreach`` defaults to what torch uses on ``device``.
         optimizations: optimization objects, applied with ``.apply(model)`` as in a real run; the memory
             their handles own is counted in its category. A :class:`memkit.FSDP` among them is ``parallel``.
-        dtype: parameter and input dtype: None (default) is bf16, or fp32 under ``mixed_precision`` (which refuses
-            any other: its master weights are fp32).
+        dtype: parameter and input dtype: None (default) is bf16, or fp32 under ``mixed_precision`` (its master
+            weights are fp32). A lower dtype with ``mixed_precision`` is a frozen base whose trained parameters are
+            fp32 (the LoRA scripts: ``dtype=torch.bfloat16``, ``LoRA(dtype=torch.float32)``); a trained parameter
+            in another dtype is a ValueError naming ``mixed_precision``.
         optimizer: ``"auto"`` (AdamW in training, none in inference), a name in
             :data:`memkit.optimizers.OPTIMIZERS` (``"adamw"``, ``"adamw8bit"``, ``"prodigy"``...) or None (training
             only). With None, gradients accumulate across steps as in a loop of ``loss.backward()``.
@@ -180,12 +182,8 @@ def estimate(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype is None:  # mixed precision keeps fp32 master weights; a pure-dtype step is bf16 by default
         dtype = torch.float32 if step.mixed_precision is not None else torch.bfloat16
-    elif step.mixed_precision is not None and dtype != torch.float32:
-        raise ValueError(
-            f"mixed_precision={step.mixed_precision!r} keeps fp32 master weights (autocast computes in "
-            f"{step.mixed_precision}): dtype must be torch.float32 or None with it, got {dtype!r}; for pure "
-            f"{str(dtype).replace('torch.', '')} weights leave mixed_precision=None"
-        )
+    # under mixed precision a lower dtype is the frozen base of the LoRA scripts (adapters in fp32: LoRA(dtype=
+    # torch.float32)); Step.bind refuses it where a trained parameter is not fp32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if isinstance(model, str):

@@ -232,7 +232,7 @@ def test_bad_mixed_precision_names_the_argument(value):
 
 
 def test_mixed_precision_refuses_low_precision_master_weights():
-    with pytest.raises(ValueError, match="dtype must be torch.float32 or None with it"):
+    with pytest.raises(ValueError, match="mixed_precision='bf16' keeps the trained weights in float32"):
         memkit.estimate("dit", size="tiny", mixed_precision="bf16", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mixed_precision='bf16' keeps the trained weights in float32"):
         memkit.Step(mixed_precision="bf16").bind(Wide().to(torch.bfloat16))
@@ -321,3 +321,30 @@ def test_the_command_line_takes_fused_backward(capsys):
     assert result["peak_bytes"] == memkit.estimate("dit", size="tiny", fused_backward=True).peak_bytes
     assert main(["estimate", "dit", "--size", "tiny", "--fused-backward", "--grad-accum", "2"]) == 2
     assert "refuses grad_accum=2" in capsys.readouterr().err
+
+
+def test_mixed_precision_with_fp32_adapters_on_a_frozen_bf16_base_equals_real_steps():
+    # the LoRA scripts' recipe: the base cast to bf16 and frozen, the adapters upcast to fp32, the forward under
+    # autocast; the estimate (device="cpu") against real CPU steps tracked one by one
+    def build():
+        model = memkit.load_model("flux", dtype=torch.bfloat16)
+        memkit.LoRA(rank=4, dtype=torch.float32).apply(model)
+        return model
+
+    model = build()
+    inputs = memkit.make_inputs(model)
+    runner = memkit.Step(optimizer="adamw", mixed_precision="bf16", steps=1).bind(model)
+    first, second = [], []
+    for out in (first, second):
+        with memkit.track(inputs=inputs, **runner.tracked_objects()) as tl:
+            runner.run(inputs)
+        out.append(tl)
+    first, second = first[0], second[0]
+    est = memkit.estimate(build, device="cpu", dtype=torch.bfloat16, mixed_precision="bf16", progress=False)
+    assert est.meta["first_step_peak_bytes"] == first.peak_bytes
+    assert est.meta["steady_peak_bytes"] == second.peak_bytes
+    tl = memkit.estimate(
+        "flux", dtype=torch.bfloat16, mixed_precision="bf16", optimizations=[memkit.LoRA(dtype=torch.float32)],
+        progress=False,
+    )  # fmt: skip
+    assert tl.meta["trainable_parameters"] > 0 and tl.peak_bytes > 0

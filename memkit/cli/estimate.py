@@ -105,11 +105,6 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(
             "--grad-accum applies to training only (micro-batches of a training step); drop it or --inference"
         )
-    if args.mixed_precision is not None and args.dtype not in (None, "fp32"):
-        raise CLIError(
-            f"--mixed-precision {args.mixed_precision} keeps fp32 master weights: drop --dtype {args.dtype} (or give "
-            f"--dtype fp32); for pure {args.dtype} weights drop --mixed-precision"
-        )
     check_writable(args.html)
     check_writable(args.png)
     settings = dict(
