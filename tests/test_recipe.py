@@ -250,7 +250,8 @@ def test_the_command_line_takes_mixed_precision(capsys):
     assert (result["mixed_precision"], result["dtype"]) == ("bf16", "float32")
     assert result["peak_bytes"] == memkit.estimate("dit", size="tiny", mixed_precision="bf16").peak_bytes
     assert main(["estimate", "dit", "--size", "tiny", "--mixed-precision", "fp16", "--dtype", "bf16"]) == 2
-    assert "--mixed-precision fp16 keeps fp32 master weights: drop --dtype bf16" in capsys.readouterr().err
+    # a bf16 model trained under mixed precision: its trained weights are not fp32 master weights
+    assert "mixed_precision='fp16' keeps the trained weights in float32" in capsys.readouterr().err
     assert main(["estimate", "dit", "--size", "tiny", "--mixed-precision", "fp8"]) == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
 

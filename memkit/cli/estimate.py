@@ -144,9 +144,9 @@ def run(args: argparse.Namespace) -> int:
         "optimizer": optimizer,
         "device": args.device,
         "steps": meta["steps"],
-        "grad_accum": meta["grad_accum"],
-        "mixed_precision": meta["mixed_precision"],
-        "fused_backward": meta["fused_backward"],
+        "grad_accum": args.grad_accum,
+        "mixed_precision": args.mixed_precision,
+        "fused_backward": args.fused_backward,
         "measured": meta["measured"],
         "bytes": meta["bytes"],
         "batch_size": args.batch_size,
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = ", ".join(inputs)
     print(
         f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}"
-        + (f" (mixed {meta['mixed_precision']})" if meta["mixed_precision"] else "")
+        + (f" (mixed {args.mixed_precision})" if args.mixed_precision else "")
         + ", "
         f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}"
         + (f" x {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
