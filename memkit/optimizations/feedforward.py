@@ -184,23 +184,6 @@ def _flux_single_forward_known() -> bool:
     return known
 
 
-def _refuse_adapters(model: nn.Module) -> None:
-    """A split forward reads the layers' weights directly: an adapter (peft's LoRA) in a feed-forward layer would be
-    skipped, or the layer not recognised and silently left whole."""
-    from diffusers.models.attention import FeedForward
-
-    for name, module in model.named_modules():
-        if not isinstance(module, FeedForward):
-            continue
-        adapted = [n for n, m in module.named_modules() if type(m).__module__.startswith("peft.")]
-        if adapted:
-            raise ValueError(
-                f"ff-split cannot split {name}: LoRA adapters sit in it ({name}.{adapted[0]}), and the split forward "
-                "would skip them; give LoRA targets outside the feed-forward layers (e.g. targets=to_q,to_k,to_v,"
-                "to_out.0)"
-            )
-
-
 def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module, _MLP]]:
     """Every feed-forward layer FFSplit splits: (qualified name, module, its parts).
 
@@ -466,7 +449,9 @@ class FFSplit:
 
     def apply(self, model: nn.Module) -> Handle:
         """Split every feed-forward layer of ``model``; returns the handle that restores them."""
-        _refuse_adapters(model)
+        from .lora import refuse_adapters_in_feedforward
+
+        refuse_adapters_in_feedforward(model)
         found = find_mlps(model)
         if self.mode == "hidden":
             for name, _, mlp in found:

@@ -338,3 +338,20 @@ def _remove_adapters(model: nn.Module) -> None:
         for child_name, child in list(module.named_children()):
             if isinstance(child, BaseTunerLayer):
                 setattr(module, child_name, child.get_base_layer())
+
+
+def refuse_adapters_in_feedforward(model: nn.Module) -> None:
+    """For :class:`memkit.FFSplit`: a split forward reads the layers' weights directly, so an adapter (peft's LoRA) in a
+    feed-forward layer would be skipped, or the layer not recognised and silently left whole: a ValueError."""
+    from diffusers.models.attention import FeedForward
+
+    for name, module in model.named_modules():
+        if not isinstance(module, FeedForward):
+            continue
+        adapted = [n for n, m in module.named_modules() if type(m).__module__.startswith("peft.")]
+        if adapted:
+            raise ValueError(
+                f"ff-split cannot split {name}: LoRA adapters sit in it ({name}.{adapted[0]}), and the split forward "
+                "would skip them; give LoRA targets outside the feed-forward layers (e.g. targets=to_q,to_k,to_v,"
+                "to_out.0)"
+            )
