@@ -115,7 +115,7 @@ SETTINGS = {
 # `make test` runs every pair.
 FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "inference": "ltx-video",
                "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video",
-               "dora-checkpointing": "wan"}  # fmt: skip
+               "dora-checkpointing": "wan", "fused-backward": "wan", "grad-accum-2": "wan"}  # fmt: skip
 
 
 def _pairs_of(presets, settings, fast):

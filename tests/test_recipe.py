@@ -4,12 +4,15 @@ steps tracked one by one, to the byte, on models where the option changes the pe
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import memkit
 from memkit.step import model_output
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 class Wide(torch.nn.Module):
@@ -344,8 +347,14 @@ def test_mixed_precision_with_fp32_adapters_on_a_frozen_bf16_base_equals_real_st
     est = memkit.estimate(build, device="cpu", dtype=torch.bfloat16, mixed_precision="bf16", progress=False)
     assert est.meta["first_step_peak_bytes"] == first.peak_bytes
     assert est.meta["steady_peak_bytes"] == second.peak_bytes
+
+
+@pytest.mark.slow
+def test_the_readme_figure_of_the_lora_mixed_precision_recipe():
+    # README, "The training recipe": full Flux, a frozen bf16 base, fp32 adapters, autocast (every block runs: ~25 s)
     tl = memkit.estimate(
         "flux", dtype=torch.bfloat16, mixed_precision="bf16", optimizations=[memkit.LoRA(dtype=torch.float32)],
         progress=False,
     )  # fmt: skip
-    assert tl.meta["trainable_parameters"] > 0 and tl.peak_bytes > 0
+    assert f"{tl.peak_bytes:,} B, {tl.peak_bytes / 2**30:.2f} GiB" in " ".join(README.read_text().split())
+    assert tl.peak_bytes == tl.meta["steady_peak_bytes"] and tl.meta["trainable_parameters"] == 44_826_624
