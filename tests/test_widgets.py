@@ -595,3 +595,25 @@ def test_the_optimizer_menu_offers_every_optimizer_a_step_takes():
     assert offered == [None, *memkit.optimizers.OPTIMIZERS]
     pg.controls["optimizer"].value = "adamw8bit"
     assert pg.state.step().optimizer == "adamw8bit"
+
+
+def test_the_recipe_controls_reach_the_step_and_the_estimate():
+    pg = memkit.Playground(figures="widget")
+    c = pg.controls
+    c["grad_accum"].value = 2
+    c["mixed_precision"].value = "bf16"
+    step = pg.state.step()
+    assert (step.grad_accum, step.mixed_precision, step.fused_backward) == (2, "bf16", False)
+    c["grad_accum"].value = 1
+    c["fused_backward"].value = True
+    c["mixed_precision"].value = None
+    assert (pg.state.step().fused_backward, pg.state.step().grad_accum) == (True, 1)
+    c["mode"].value = "inference"
+    assert c["grad_accum"].disabled and c["fused_backward"].disabled and not c["mixed_precision"].disabled
+    assert pg.state.step() == memkit.Step(mode="inference")  # the training-only options drop out
+    c["mode"].value = "training"
+    state = _state(estimate_size="tiny", optimizer="adamw", grad_accum=2)
+    result = state.estimate()
+    base = result.comparison.results["baseline"].timeline
+    assert base.meta["grad_accum"] == 2
+    assert base.peak_bytes == memkit.estimate("dit", size="tiny", grad_accum=2, progress=False).peak_bytes

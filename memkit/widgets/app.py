@@ -112,6 +112,11 @@ class Playground:
             options=[("none", None), *OPTIMIZERS], value=s.optimizer, description="optimizer"
         )
         c["steps"] = widgets.Dropdown(options=STEP_CHOICES, value=s.steps, description="steps")
+        c["grad_accum"] = widgets.BoundedIntText(value=s.grad_accum, min=1, max=256, description="grad accum")
+        c["mixed_precision"] = widgets.Dropdown(
+            options=[("none", None), "bf16", "fp16"], value=s.mixed_precision, description="mixed prec."
+        )
+        c["fused_backward"] = widgets.Checkbox(value=s.fused_backward, description="fused backward", indent=False)
         c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
         c["variants"] = widgets.ToggleButtons(options=list(VARIANT_MODES), value=s.variants, description="variants")
         tips = {
@@ -124,6 +129,12 @@ class Playground:
             "steps": "Estimate: first + steady measures the first step and the steady one every later step repeats "
             "(optimizer state, EMA shadows exist), the larger peak being the answer; N measures step N alone. Run "
             "always measures a steady step, after the compared and timed ones",
+            "grad_accum": "training: micro-batches per optimizer step; the gradients of the first live through the "
+            "others (memkit.Step's grad_accum)",
+            "mixed_precision": "fp32 master weights, the forward under autocast (bf16 or fp16 + a gradient scaler); "
+            "the trained weights must be float32 (pick dtype float32, or LoRA's fp32 adapters on a lower base)",
+            "fused_backward": "training: each parameter updated and its gradient freed in the backward, as soon as "
+            "it is accumulated (no full set of gradients at once); not with grad accum > 1 or fp16",
             "repeats": "Run: untracked steps per variant timed for the 'step (s)' column (0: no timing)",
             "variants": "together: one variant with every enabled optimization; each: one variant per optimization",
         }
@@ -156,7 +167,8 @@ class Playground:
             c[key].layout.display = None if key in taken else "none"
             if key in taken:
                 c[key].placeholder = f"{run_sizes[key]} (run), {full_sizes.get(key, '?')} (estimate)"
-        c["optimizer"].disabled = s.mode != "training"
+        for key in ("optimizer", "grad_accum", "fused_backward"):
+            c[key].disabled = s.mode != "training"
 
     def _build_actions(self) -> None:
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
@@ -175,7 +187,10 @@ class Playground:
 
     def _layout(self) -> widgets.Widget:
         c = self.controls
-        order = ["preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "optimizer", "steps", "repeats"]
+        order = [
+            "preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "optimizer", "steps",
+            "grad_accum", "mixed_precision", "fused_backward", "repeats",
+        ]  # fmt: skip
         grid = widgets.GridBox([c[k] for k in order], layout=widgets.Layout(grid_template_columns=_GRID))
         self.panel_grid = widgets.GridBox(
             [p.view for p in self.panels.values()], layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px")

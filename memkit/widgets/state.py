@@ -92,6 +92,9 @@ class PlaygroundState:
         mode: Literal["training", "inference"] = "training",
         optimizer: str | None = "adamw",
         steps: int | None = None,
+        grad_accum: int = 1,
+        mixed_precision: Literal["bf16", "fp16"] | None = None,
+        fused_backward: bool = False,
         repeats: int = 2,
         variants: Literal["together", "each"] = "together",
         seed: int = 0,
@@ -104,6 +107,7 @@ class PlaygroundState:
             from ..optimizations import REGISTRY as registry
         self.preset, self.size, self.dtype, self.batch_size = preset, size, dtype, batch_size
         self.mode, self.optimizer, self.steps, self.repeats = mode, optimizer, steps, repeats
+        self.grad_accum, self.mixed_precision, self.fused_backward = grad_accum, mixed_precision, fused_backward
         self.variants, self.seed, self.tolerance = variants, seed, tolerance
         self.estimate_size, self.interval = estimate_size, interval
         self.sizes: dict[str, int | None] = dict.fromkeys(INPUT_SIZES)
@@ -138,9 +142,17 @@ class PlaygroundState:
         """The :class:`memkit.Step` every run uses (the optimizer only in training)."""
         from ..step import Step
 
-        optimizer = self.optimizer if self.mode == "training" else None
-        # steps say which training step is measured; an inference pass is always one alike
-        return Step(mode=self.mode, optimizer=optimizer, steps=self.steps if self.mode == "training" else None)
+        training = self.mode == "training"
+        # steps say which training step is measured; an inference pass is always one alike. The recipe options
+        # (memkit.Step's grad_accum, mixed_precision, fused_backward) are training's, but autocast's forward
+        return Step(
+            mode=self.mode,
+            optimizer=self.optimizer if training else None,
+            steps=self.steps if training else None,
+            grad_accum=self.grad_accum if training else 1,
+            mixed_precision=self.mixed_precision,
+            fused_backward=self.fused_backward if training else False,
+        )
 
     def configs(self) -> list[Any]:
         """The enabled optimizations' configs, in registry order."""
