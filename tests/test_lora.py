@@ -97,7 +97,7 @@ def test_output_at_initialisation_is_the_base_models():
 
 @pytest.mark.parametrize("preset", ["flux", "wan"])
 def test_estimate_equals_the_real_tracked_steps(preset):
-    from test_steady_state import real_steps
+    from oracles import real_steps
 
     def build():
         torch.manual_seed(0)

@@ -13,7 +13,7 @@ import typing
 import diffusers
 import pytest
 import torch
-from oracles import tracked_and_profiled
+from oracles import tracked_and_profiled, tracked_steps
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memkit
@@ -134,12 +134,7 @@ def real_steps(name: str, n: int, build=None, inputs=net_inputs) -> tuple[list[m
     model = (build or net())()
     x = inputs(model)
     runner = memkit.Step(optimizer=name, steps=1).bind(model)
-    out = []
-    for _ in range(n):
-        with memkit.track(inputs=x, **runner.tracked_objects()) as tl:
-            runner.run(x)
-        out.append(tl)
-    return out, runner
+    return tracked_steps(runner, x, n), runner
 
 
 def end_state(tl: memkit.Timeline) -> int:

@@ -8,43 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import Wide, real_steps
+from oracles import wide_inputs as inputs
 
 import memkit
 from memkit.step import model_output
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-class Wide(torch.nn.Module):
-    """Activations (batch 512 > width 256: twice the weights) alive at the start of each backward: with AdamW's state
-    (2x the weights) the steady step peaks there, and a second micro-batch's backward also has the first one's
-    gradients (1x the weights) beside it."""
-
-    def __init__(self, width: int = 256, depth: int = 4):
-        super().__init__()
-        self.layers = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
-
-    def forward(self, x):
-        return self.layers(torch.relu(x))
-
-
-def inputs(model):
-    return {"x": torch.ones(512, 256)}
-
-
-def real_steps(n: int, model_fn=Wide, inputs_fn=inputs, **step) -> list[memkit.Timeline]:
-    """Steps 1..n of a real CPU training loop of ``Step(**step)``, each tracked in a window of its own."""
-    step.setdefault("optimizer", "adamw")
-    torch.manual_seed(0)
-    model = model_fn()
-    x = inputs_fn(model)
-    runner = memkit.Step(steps=1, **step).bind(model)
-    out = []
-    for _ in range(n):
-        with memkit.track(inputs=x, **runner.tracked_objects()) as tl:
-            runner.run(x)
-        out.append(tl)
-    return out
 
 
 def estimate_cpu(model_fn=Wide, inputs_fn=inputs, **kwargs) -> memkit.Timeline:

@@ -7,39 +7,10 @@ import json
 
 import pytest
 import torch
+from oracles import Wide, real_steps
+from oracles import wide_inputs as inputs
 
 import memkit
-
-
-class Wide(torch.nn.Module):
-    """Activations (batch 512 > width 256: twice the weights) alive at the start of the backward beside AdamW's
-    state (2x the weights), which the steady step carries and the first does not: the steady step's peak (weights,
-    state, activations: 5x the weights) is above the first step's (its update: weights, gradients, state, 4x)."""
-
-    def __init__(self, width: int = 256, depth: int = 4):
-        super().__init__()
-        self.layers = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
-
-    def forward(self, x):
-        return self.layers(torch.relu(x))
-
-
-def inputs(model):
-    return {"x": torch.ones(512, 256)}
-
-
-def real_steps(n: int, model_fn=Wide, inputs_fn=inputs, optimizer="adamw") -> list[memkit.Timeline]:
-    """Steps 1..n of a real CPU training loop, each tracked in a window of its own."""
-    torch.manual_seed(0)
-    model = model_fn()
-    x = inputs_fn(model)
-    runner = memkit.Step(optimizer=optimizer, steps=1).bind(model)
-    out = []
-    for _ in range(n):
-        with memkit.track(inputs=x, **runner.tracked_objects()) as tl:
-            runner.run(x)
-        out.append(tl)
-    return out
 
 
 def test_the_default_measures_the_first_and_the_steady_step_to_the_byte():
