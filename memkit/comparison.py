@@ -392,12 +392,15 @@ def compare(
         with apply_all(model, variant.optimizations) as handle:
             model.zero_grad(set_to_none=True)
             runner = variant_step.bind(model, handle)
-            got = _reference_step(runner, step_inputs, seed)
-            checks = {k: float(v) for k, v in variant.check(model, handle).items()} if variant.check else {}
-            seconds = _time_steps(runner, step_inputs, repeats)
-            model.zero_grad(set_to_none=True)
-            with track(inputs=step_inputs, label=name, **runner.tracked_objects()) as tl:
-                runner.run(step_inputs)
+            try:
+                got = _reference_step(runner, step_inputs, seed)
+                checks = {k: float(v) for k, v in variant.check(model, handle).items()} if variant.check else {}
+                seconds = _time_steps(runner, step_inputs, repeats)
+                model.zero_grad(set_to_none=True)
+                with track(inputs=step_inputs, label=name, **runner.tracked_objects()) as tl:
+                    runner.run(step_inputs)
+            finally:  # a fused backward's hooks must not update the next variant's run of a shared model
+                runner.remove()
             # after the compared and timed steps: the optimizer's state exists, the step is the steady one
             tl.meta["measured"] = "steady" if variant_step.training else "inference"
         result = VariantResult(name, list(variant.optimizations), tl, seconds, checks=checks, step=variant_step)

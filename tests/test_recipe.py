@@ -328,3 +328,18 @@ def test_the_readme_figure_of_the_lora_mixed_precision_recipe():
     )  # fmt: skip
     assert f"{tl.peak_bytes:,} B, {tl.peak_bytes / 2**30:.2f} GiB" in " ".join(README.read_text().split())
     assert tl.peak_bytes == tl.meta["steady_peak_bytes"] and tl.meta["trainable_parameters"] == 44_826_624
+
+
+def test_compare_takes_a_fused_backwards_hooks_off_a_shared_model():
+    shared = Wide(width=16, depth=2)
+    x = {"x": torch.randn(8, 16)}
+    # compare cannot hold a fused step's gradients against the baseline's (they are freed in the backward): it
+    # raises, and the hooks must still come off the model it was given
+    with pytest.raises(RuntimeError, match="different parameters"):
+        memkit.compare(
+            lambda: shared, {"fused": memkit.Variant(step=memkit.Step(optimizer="sgd", fused_backward=True))},
+            step=memkit.Step(optimizer="sgd"), inputs=x, repeats=0, progress=False,
+        )  # fmt: skip
+    before = [p.detach().clone() for p in shared.parameters()]
+    memkit.train_step(shared, x)  # no optimizer: nothing may update the weights now
+    assert all(torch.equal(a, b) for a, b in zip(before, shared.parameters(), strict=True))

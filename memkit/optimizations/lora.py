@@ -204,10 +204,10 @@ class LoRA:
                     model.add_adapter(config, adapter_name=ADAPTER)
                 else:
                     peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-                if self.dtype is not None:
-                    for p in model.parameters():
-                        if p.requires_grad:
-                            p.data = p.data.to(self.dtype) if not _fake(p) else _fake_cast(p, self.dtype)
+                if self.dtype is not None:  # the scripts' own upcast (a tensor's .to works on fake tensors too)
+                    from diffusers.training_utils import cast_training_params
+
+                    cast_training_params(model, dtype=self.dtype)
         except BaseException:
             undo()
             raise
@@ -272,16 +272,6 @@ def _number(name: str, text: str) -> float:
         return float(text)
     except ValueError:
         raise ValueError(f"lora {name} must be a number, got {text!r}") from None
-
-
-def _fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def _fake_cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty_strided(p.size(), p.stride(), dtype=dtype, device=p.device)
 
 
 def linear_names(model: nn.Module) -> list[str]:
