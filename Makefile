@@ -39,12 +39,13 @@ lab: $(STAMP)
 TEST_WORKERS ?= 2
 
 # .venv-colab is created in the background while the unit tests run (about 4 minutes, mostly downloads and unpacking:
-# in sequence it would take CI past 20 minutes); its log is .venv-colab.log.
+# in sequence it would take CI past 20 minutes); its log is .venv-colab.log. No coverage here: coverage's tracer
+# makes memkit's Python-heavy tracking ~1.7x slower (one full-size estimate test: 28 s -> 48 s), which would take
+# CI past 20 minutes; `make coverage` measures it.
 test: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
 	$(MAKE) --no-print-directory $(COLAB_STAMP) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -n $(TEST_WORKERS) --durations=15 \
-		--cov=memkit --cov-report=term-missing:skip-covered \
 	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax -n $(TEST_WORKERS) --dist loadfile notebooks \
 	&& { wait $$colab || { tail -50 $(COLAB_VENV).log; echo "creating $(COLAB_VENV) failed"; exit 1; }; }
 	$(MAKE) browser-test colab-test
@@ -55,6 +56,12 @@ test: $(STAMP)
 .PHONY: test-fast
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not slow" -n $(TEST_WORKERS) --durations=15
+
+# Line coverage of memkit by the unit tests (pytest-cov; the missed lines listed). Slower than `make test`'s run.
+.PHONY: coverage
+coverage: $(STAMP)
+	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -n $(TEST_WORKERS) \
+		--cov=memkit --cov-report=term-missing:skip-covered
 
 # The Playground in JupyterLab in headless Chromium (Playwright): notebook 06 run, a toggle changed, Run pressed,
 # the live timeline and the table checked. Needs Chromium (Debian: apt-get install chromium); skips without it.
