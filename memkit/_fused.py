@@ -14,6 +14,7 @@ Prodigy's step size differ.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,15 +34,21 @@ def _step_one(optimizer: torch.optim.Optimizer, param: torch.Tensor, index: int)
         group.update({k: v for k, v in view.items() if k != "params"})
 
 
-def fuse(optimizer: torch.optim.Optimizer) -> list[Any]:
+def fuse(optimizer: torch.optim.Optimizer, observers: list[Callable[[torch.Tensor], None]] | None = None) -> list[Any]:
     """Hook each parameter of ``optimizer`` to be updated, and its gradient freed, as soon as the backward has
-    accumulated it; returns the hooks' handles (``handle.remove()`` undoes each)."""
+    accumulated it; returns the hooks' handles (``handle.remove()`` undoes each).
+
+    ``observers``, a list the caller may fill and empty later, are called with each parameter, its gradient
+    accumulated and not yet used: the only moment a fused backward's gradient can be seen (``compare`` records it)."""
     handles = []
+    observers = [] if observers is None else observers
     for index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
 
             def hook(p: torch.Tensor, index: int = index) -> None:
                 tag([p.grad], "gradient")  # before it is freed: the trackers' own grad hooks run after this one
+                for observe in observers:
+                    observe(p)
                 _step_one(optimizer, p, index)
                 p.grad = None
 

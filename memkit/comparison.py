@@ -339,7 +339,9 @@ def compare(
             ``{"checkpointing": [memkit.Checkpointing()]}``. An estimate-only one (``memkit.FSDP``: rank 0 holds
             only its shard of the values) is a ValueError saying why; :func:`memkit.estimate` takes it.
         mode: ``"training"`` or ``"inference"``: the step, when ``step`` is not given.
-        step: the :class:`memkit.Step` of the baseline and of every variant without its own.
+        step: the :class:`memkit.Step` of the baseline and of every variant without its own. A variant's
+            ``Step(fused_backward=True)`` is compared like any other: its gradients are recorded in the hooks,
+            each before its update (a fused backward leaves none after it).
         inputs: forward kwargs, a callable ``inputs(model)`` (called once, with the first model), or None for
             ``memkit.make_inputs(model, seed=seed)``; every variant runs on the same tensors.
         seed: seeds the weights of a preset, the default inputs, and the random numbers of the compared step

@@ -18,6 +18,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -316,6 +317,18 @@ class Step:
         return f"training ({self.optimizer or 'no optimizer'}{extra})"
 
 
+class _GradsSeen:
+    """What ``on_grads`` reads of a model (``named_parameters()`` and each one's ``.grad``) for gradients a fused
+    backward used and freed: stand-ins holding the recorded gradient under each parameter's name."""
+
+    def __init__(self, grads: Mapping[str, torch.Tensor]) -> None:
+        self._grads = grads
+
+    def named_parameters(self):
+        for name, grad in self._grads.items():
+            yield name, SimpleNamespace(grad=grad)
+
+
 class StepRunner:
     """A :class:`Step` bound to a model, its optimizer and the applied optimizations' handle.
 
@@ -335,7 +348,8 @@ class StepRunner:
         self.step, self.model, self.optimizer, self.handle = step, model, optimizer, handle
         self.autocast = self.scaler = None
         # the update runs in the backward's hooks: no step after it (self.optimizer stays, for tracking its state)
-        self.fused = fuse(optimizer) if step.fused_backward and optimizer is not None else []
+        self.grad_observers: list = []  # a fused backward's gradients, seen one by one (``_fused.fuse``)
+        self.fused = fuse(optimizer, self.grad_observers) if step.fused_backward and optimizer is not None else []
         if step.mixed_precision is not None:
             device = next((p.device.type for p in model.parameters()), "cpu")
             self.autocast = (device, autocast_dtype(step.mixed_precision))
@@ -355,12 +369,39 @@ class StepRunner:
         ``on_output(output)`` sees the model's output tensor before the loss (each micro-batch's, with
         ``grad_accum``), ``on_grads(model)`` the model after the (last) backward and before the update: ``compare``
         uses them to record what it compares. They are called with references only; what they keep is on them.
+        With ``fused_backward`` the update runs inside the backward, so no gradient is left when it ends:
+        ``on_grads(model)`` then sees each parameter's gradient at its hook, before its update, as
+        ``model.named_parameters()`` would have shown it after a backward.
         """
         step = self.step
+        if self.fused and on_grads is not None:
+            return self._run_fused_observed(inputs, on_output, on_grads)
         return _run(
             self.model, inputs, step.mode, None if self.fused else self.optimizer, self.handle, on_output, on_grads,
             grad_accum=step.grad_accum, autocast=self.autocast, scaler=self.scaler,
         )  # fmt: skip
+
+    def _run_fused_observed(
+        self, inputs: Mapping[str, Any], on_output: OutputHook | None, on_grads: GradsHook
+    ) -> torch.Tensor | None:
+        """A fused step whose gradients ``on_grads`` sees: each one as its hook gets it, shown to ``on_grads`` on
+        a stand-in model whose ``named_parameters()`` carry those gradients (and nothing else)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        seen: dict[str, torch.Tensor] = {}
+
+        def observe(p: torch.Tensor) -> None:
+            seen[names[id(p)]] = p.grad.detach().clone()
+
+        self.grad_observers.append(observe)
+        try:
+            loss = _run(
+                self.model, inputs, self.step.mode, None, self.handle, on_output, None,
+                grad_accum=self.step.grad_accum, autocast=self.autocast, scaler=self.scaler,
+            )  # fmt: skip
+        finally:
+            self.grad_observers.remove(observe)
+        on_grads(_GradsSeen(seen))
+        return loss
 
     def remove(self) -> None:
         """Take the fused backward's hooks off the model's parameters (nothing else to undo)."""

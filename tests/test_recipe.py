@@ -330,14 +330,47 @@ def test_the_readme_figure_of_the_lora_mixed_precision_recipe():
     assert tl.peak_bytes == tl.meta["steady_peak_bytes"] and tl.meta["trainable_parameters"] == 44_826_624
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_compare_holds_a_fused_backward_to_the_baseline(optimizer):
+    torch.manual_seed(0)
+    state = Wide(width=16, depth=2).state_dict()
+
+    def fresh():
+        model = Wide(width=16, depth=2)
+        model.load_state_dict(state)
+        return model
+
+    x = {"x": torch.randn(8, 16)}
+    cmp = memkit.compare(
+        fresh,
+        {
+            "fused": memkit.Variant(step=memkit.Step(optimizer=optimizer, fused_backward=True)),
+            # another update rule, fused: its gradients are the baseline's, its updated weights are not
+            "fused-other": memkit.Variant(step=memkit.Step(optimizer="adafactor", fused_backward=True)),
+        },
+        step=memkit.Step(optimizer=optimizer), inputs=x, repeats=0, progress=False,
+    )  # fmt: skip
+    fused, other = cmp.results["fused"], cmp.results["fused-other"]
+    # the gradients each hook saw before its update, against the baseline's after its backward: the same numbers
+    assert fused.passed and fused.max_abs_d_grad == 0.0 and fused.max_abs_d_param <= 1e-6
+    assert other.max_abs_d_grad == 0.0 and other.max_abs_d_param > 1e-3 and not other.passed
+    # and each step's memory is its own: the fused one never holds the full set of gradients the baseline does
+    most = {k: cmp.results[k].timeline.live_by_category()["gradient"].max() for k in ("baseline", "fused")}
+    assert most["baseline"] == sum(p.numel() * 4 for p in fresh().parameters()) > most["fused"]
+
+
 def test_compare_takes_a_fused_backwards_hooks_off_a_shared_model():
     shared = Wide(width=16, depth=2)
     x = {"x": torch.randn(8, 16)}
-    # compare cannot hold a fused step's gradients against the baseline's (they are freed in the backward): it
-    # raises, and the hooks must still come off the model it was given
-    with pytest.raises(RuntimeError, match="different parameters"):
+
+    def broken_check(model, handle):
+        raise RuntimeError("the variant's own check failed")
+
+    # a variant that raises after its fused step: the hooks must still come off the model compare was given
+    with pytest.raises(RuntimeError, match="own check failed"):
         memkit.compare(
-            lambda: shared, {"fused": memkit.Variant(step=memkit.Step(optimizer="sgd", fused_backward=True))},
+            lambda: shared,
+            {"fused": memkit.Variant(step=memkit.Step(optimizer="sgd", fused_backward=True), check=broken_check)},
             step=memkit.Step(optimizer="sgd"), inputs=x, repeats=0, progress=False,
         )  # fmt: skip
     before = [p.detach().clone() for p in shared.parameters()]
