@@ -383,6 +383,17 @@ def test_the_fsdp_panel_shards_the_estimate_and_run_refuses_it():
     assert "estimate-only" in pg.messages.value
 
 
+def test_the_fine_tuning_section_holds_the_recipe_and_lora():
+    pg = memkit.Playground(preset="dit", repeats=0, figures="widget")
+    c, section = pg.controls, pg.finetuning_grid.children
+    recipe = [c[k] for k in ("optimizer", "grad_accum", "mixed_precision", "fused_backward")]
+    assert list(section[:4]) == recipe and pg.panels["lora"].view in section  # the registry's section="fine-tuning"
+    assert pg.panels["lora"].view not in pg.panel_grid.children and pg.panels["ema"].view in pg.panel_grid.children
+    headings = [w.value for w in pg.widget.children if isinstance(w, type(pg.messages)) and w.value.startswith("<b>")]
+    assert headings[:3] == ["<b>Model</b>", "<b>Fine-tuning</b>", "<b>Optimizations</b>"]
+    assert pg.widget.children.index(pg.finetuning_grid) < pg.widget.children.index(pg.panel_grid)
+
+
 def test_a_new_registry_entry_gets_its_panel_with_no_app_change(with_scale):
     pg = memkit.Playground(preset="dit", repeats=0, figures="widget")
     panel = pg.panels["scale"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from types import MappingProxyType
+from typing import Literal
 
 from ..handle import Optimization
 from .checkpointing import PROVIDERS, Checkpointing
@@ -60,12 +61,18 @@ class Spec:
     """Values a panel offers for a field whose type does not list them: a menu for a plain ``str`` field
     (``provider``), suggestions beside free text for a field that takes more than its string forms
     (``pattern``: ``"every:3"`` or a tuple of indices)."""
+    section: Literal["optimizations", "fine-tuning"] = "optimizations"
+    """Where the Playground lays out its panel: with the memory optimizations, or in the "Fine-tuning" section
+    beside the training recipe (optimizer, grad accum, mixed precision, fused backward): what changes what is
+    trained (LoRA) rather than how the same training is run."""
     estimate_only: str = ""
     """Why only estimates take it (:func:`memkit.estimate`, the Playground's Estimate), when they alone do:
     :func:`memkit.compare` and the Playground's Run refuse it with this reason, and its panel says so. Empty: real
     runs take it too."""
 
     def __post_init__(self) -> None:
+        if self.section not in ("optimizations", "fine-tuning"):
+            raise ValueError(f"section must be 'optimizations' or 'fine-tuning', got {self.section!r}")
         choices = MappingProxyType({k: tuple(v) for k, v in self.field_choices.items()})
         object.__setattr__(self, "field_choices", choices)
 
@@ -151,6 +158,7 @@ register(
         choices=("16", "4", "64", "16:dora"),
         report=("16",),
         panel=("rank", "alpha", "dropout", "init", "dora", "dtype"),
+        section="fine-tuning",
     )
 )
 

@@ -186,14 +186,21 @@ class Playground:
         self.table = widgets.HTML()
 
     def _layout(self) -> widgets.Widget:
+        from ..optimizations import REGISTRY
+
         c = self.controls
-        order = [
-            "preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "optimizer", "steps",
-            "grad_accum", "mixed_precision", "fused_backward", "repeats",
-        ]  # fmt: skip
+        order = ["preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "steps", "repeats"]
         grid = widgets.GridBox([c[k] for k in order], layout=widgets.Layout(grid_template_columns=_GRID))
+        # Fine-tuning: the training recipe, and the registry's entries that change what is trained (LoRA)
+        tuning = [n for n in self.panels if REGISTRY[n].section == "fine-tuning"]
+        self.finetuning_grid = widgets.GridBox(
+            [c[k] for k in ("optimizer", "grad_accum", "mixed_precision", "fused_backward")]
+            + [self.panels[n].view for n in tuning],
+            layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px"),
+        )
         self.panel_grid = widgets.GridBox(
-            [p.view for p in self.panels.values()], layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px")
+            [p.view for n, p in self.panels.items() if n not in tuning],
+            layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px"),
         )
         actions = widgets.HBox(
             [self.run_button, self.estimate_button, self.stop_button, self.progress, self.progress_text],
@@ -207,6 +214,8 @@ class Playground:
             [
                 heading("Model"),
                 grid,
+                heading("Fine-tuning"),
+                self.finetuning_grid,
                 heading("Optimizations"),
                 c["variants"],
                 self.panel_grid,
