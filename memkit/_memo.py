@@ -133,6 +133,7 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "WanTransformer3DModel": {"blocks": "num_layers"},
     "PixArtTransformer2DModel": {"transformer_blocks": "num_layers"},
     "DiTTransformer2DModel": {"transformer_blocks": "num_layers"},
+    "SanaTransformer2DModel": {"transformer_blocks": "num_layers"},
 }
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import time
 import warnings
@@ -45,9 +46,9 @@ from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
 from .memory.recording import _owned_of, track
 from .memory.timeline import Timeline
-from .models import _default_dtype, load_model, make_inputs
+from .models import _build, _default_dtype, config_preset, load_model, make_inputs
+from .naming import resolve
 from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order, split_parallel
-from .presets import PRESETS
 from .step import OPTIMIZERS, Step
 
 __all__ = ["clear_cache", "estimate", "noted_in_host", "note_disk_memory", "note_host_memory", "planned_device"]
@@ -186,13 +187,29 @@ def estimate(
     # torch.float32)); Step.bind refuses it where a trained parameter is not fp32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    if isinstance(model, str):
-        if model not in PRESETS:
-            raise ValueError(f"model must be a callable or one of the presets {sorted(PRESETS)}, got {model!r}")
-        name = model
+    preset = None  # the Preset an estimate by name builds (a config that is no preset gets one of its own)
+    key_model = model
+    if isinstance(model, (str, os.PathLike)):
+        ref = resolve(model)  # a preset, its hub id, a folder, a config.json, a hub id: ValueError otherwise
+        if ref.preset is None and size != "full":
+            raise ValueError(
+                f"size={size!r} applies to presets; {os.fspath(model)} is a config, one size (its own): leave "
+                "size='full'"
+            )
+        preset = config_preset(ref)
+        if preset.inputs is None and inputs is None:
+            raise ValueError(
+                f"{os.fspath(model)} is a {ref.class_name}, whose inputs memkit cannot build (no preset has this "
+                "class): pass inputs=lambda model: {...}, the keyword arguments of its forward"
+            )
+        model = ref.preset or os.fspath(model)
+        # a config's key is its content (the file may change between two estimates), a preset's its name
+        key_model = model if ref.preset else f"{ref.class_name}:{json.dumps(dict(ref.config), sort_keys=True)}"
 
         def model_fn():
-            return load_model(name, size=size, dtype=dtype, seed=seed)
+            if ref.preset is not None:
+                return load_model(ref.preset, size=size, dtype=dtype, seed=seed)
+            return _build(preset, size, dtype, seed, torch.device("cpu"))
     elif callable(model):
         model_fn = model
     else:
@@ -207,7 +224,7 @@ def estimate(
 
     t0 = time.perf_counter()
     key = _cache_key(
-        model=model, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype, size=size,
+        model=key_model, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype, size=size,
         batch_size=batch_size, device=device, seed=seed, parallel=parallel, sizes=sizes, memoize=memoize,
     )  # fmt: skip
     cached = _lookup(key, t0)
@@ -237,8 +254,8 @@ def estimate(
     )  # fmt: skip
     measured = None
     probe = None
-    if why_not is None and isinstance(model, str):
-        probe = _memo.probe_builder(PRESETS[model], size, dtype, seed)
+    if why_not is None and preset is not None:
+        probe = _memo.probe_builder(preset, size, dtype, seed)
         if probe is None:  # a preset without lists of identical blocks (UNet): not built twice to find out
             why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"
     if why_not is None:

@@ -99,6 +99,28 @@ def load_model(
     )
 
 
+def config_preset(ref) -> Preset:
+    """A `Preset` for a `memkit.naming.ModelRef` read from a config: its one config at every size, and the inputs of
+    the preset of its class (that preset's builder at its full-size defaults: build it at size ``"full"``), so
+    `make_inputs` feeds it. A class no preset has gets no input builder: `make_inputs` then says to pass
+    ``inputs=``.
+
+    Example:
+        >>> config_preset(memkit.naming.resolve("path/to/config.json")).configs["full"]
+    """
+    from dataclasses import replace
+
+    if ref.preset is not None:
+        return PRESETS[ref.preset]
+    base = PRESETS.get(_PRESET_BY_CLASS.get(ref.class_name, ""))
+    configs = dict.fromkeys(SIZES, dict(ref.config))
+    if base is None:
+        return Preset(ref.source, ref.class_name, configs, ref.source, dict.fromkeys(SIZES, {}), None)
+    # the preset's name tags the model (make_inputs finds the builder by it); the size "full" its defaults
+    sizes = dict.fromkeys(SIZES, base.input_sizes["full"])
+    return replace(base, configs=configs, input_sizes=sizes, description=f"{ref.source} ({ref.class_name})")
+
+
 def _build(preset: Preset, size: str, dtype: torch.dtype, seed: int, device: torch.device) -> torch.nn.Module:
     cls = getattr(diffusers, preset.model_class, None)
     if cls is None:  # a diffusers older than the one the preset's model arrived in
@@ -216,8 +238,12 @@ def preset_of(model: torch.nn.Module) -> str:
     """
     model = getattr(model, "_orig_mod", model)
     name = getattr(model, "_memkit_preset", None) or _PRESET_BY_CLASS.get(type(model).__name__)
-    if name is None:
-        raise ValueError(f"no memkit preset for {type(model).__name__}; known classes: {', '.join(_PRESET_BY_CLASS)}")
+    if name not in PRESETS:
+        raise ValueError(
+            f"memkit cannot build the inputs of {type(model).__name__}: no preset has this class (the classes it "
+            f"feeds: {', '.join(_PRESET_BY_CLASS)}). Pass them: memkit.estimate(..., inputs=lambda model: "
+            "{'hidden_states': ..., ...}) with the keyword arguments of its forward"
+        )
     return name
 
 

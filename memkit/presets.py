@@ -46,6 +46,9 @@ class Preset:
     inputs: InputBuilder
     """``inputs(config, batch_size, sizes, make) -> forward kwargs``: shapes from the model's config and the
     pixel/token ``sizes``, tensors from ``make`` (the dtype, device and generator of `memkit.make_inputs`)."""
+    hub_id: str = ""
+    """The released model's hub id (``"black-forest-labs/FLUX.1-dev"``): the preset answers to it, offline, its
+    ``full`` config being that repository's ``transformer/config.json`` (or ``unet/``)."""
 
 
 def _frozen(mapping: Mapping) -> Mapping:
@@ -53,9 +56,15 @@ def _frozen(mapping: Mapping) -> Mapping:
 
 
 def _preset(
-    name: str, model_class: str, description: str, configs: dict, input_sizes: dict, inputs: InputBuilder
+    name: str,
+    model_class: str,
+    description: str,
+    configs: dict,
+    input_sizes: dict,
+    inputs: InputBuilder,
+    hub_id: str = "",
 ) -> Preset:
-    return Preset(name, model_class, _frozen(configs), description, _frozen(input_sizes), inputs)
+    return Preset(name, model_class, _frozen(configs), description, _frozen(input_sizes), inputs, hub_id)
 
 
 class _Maker:
@@ -134,6 +143,7 @@ _FLUX = _preset(
         "full": dict(height=1024, width=1024, text_len=512),  # T5 max_sequence_length of FLUX.1-dev
     },
     _flux_inputs,
+    "black-forest-labs/FLUX.1-dev",
 )
 
 
@@ -174,6 +184,7 @@ _SD3 = _preset(
         "full": dict(height=1024, width=1024, text_len=333),  # 77 CLIP + 256 T5 tokens
     },
     _sd3_inputs,
+    "stabilityai/stable-diffusion-3-medium-diffusers",
 )
 
 
@@ -218,6 +229,7 @@ _LTX = _preset(
         "full": dict(height=480, width=704, frames=41, text_len=128),
     },
     _ltx_inputs,
+    "Lightricks/LTX-Video",
 )
 
 
@@ -261,6 +273,7 @@ _WAN = _preset(
         "full": dict(height=480, width=832, frames=17, text_len=512),
     },
     _wan_inputs,
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers",
 )
 
 
@@ -302,6 +315,7 @@ _UNET = _preset(
         "full": dict(height=512, width=512, text_len=77),
     },
     _unet_inputs,
+    "stable-diffusion-v1-5/stable-diffusion-v1-5",
 )
 
 
@@ -348,6 +362,7 @@ _PIXART = _preset(
         "full": dict(height=1024, width=1024, text_len=300),  # T5 max_sequence_length of PixArt-Sigma
     },
     _pixart_inputs,
+    "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",
 )
 
 
@@ -385,8 +400,51 @@ _DIT = _preset(
         "full": dict(height=256, width=256),
     },
     _dit_inputs,
+    "facebook/DiT-XL-2-256",
+)
+
+
+def _sana_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # SanaPipeline: the DC-AE compresses 32x into 32 latent channels; patch 1; Gemma-2 text, 300 tokens
+    p = cfg["patch_size"]
+    h, w = _latent(s, "height", 32, p), _latent(s, "width", 32, p)
+    inputs = {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
+        "encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
+        "timestep": make.timestep(b),
+    }
+    if cfg["guidance_embeds"]:  # the distilled Sprint models
+        inputs["guidance"] = make.full((b,), 4.5)
+    return inputs
+
+
+_SANA = _preset(
+    "sana",
+    "SanaTransformer2DModel",
+    "Sana 1.6B 1024px linear-attention DiT (1.6B at full size)",
+    {
+        "tiny": dict(in_channels=32, out_channels=32, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+                     num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
+                     caption_channels=32, sample_size=4, patch_size=1),
+        "small": dict(in_channels=32, out_channels=32, num_attention_heads=12, attention_head_dim=64, num_layers=8,
+                      num_cross_attention_heads=12, cross_attention_head_dim=64, cross_attention_dim=768,
+                      caption_channels=2304, sample_size=8, patch_size=1),
+        # Efficient-Large-Model/Sana_1600M_1024px_diffusers transformer/config.json (diffusers' class defaults)
+        "full": dict(in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+                     num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+                     caption_channels=2304, mlp_ratio=2.5, sample_size=32, patch_size=1, norm_eps=1e-6),
+    },
+    {
+        "tiny": dict(height=64, width=64, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=300),  # SanaPipeline's max_sequence_length
+    },
+    _sana_inputs,
+    "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
 )
 # fmt: on
 
-PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in (_FLUX, _SD3, _LTX, _WAN, _UNET, _PIXART, _DIT)})
+_ALL = (_FLUX, _SD3, _LTX, _WAN, _UNET, _PIXART, _DIT, _SANA)
+PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

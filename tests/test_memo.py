@@ -26,6 +26,7 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "wan": {"num_layers": 6},
     "pixart": {"num_layers": 5},
     "dit": {"num_layers": 5},
+    "sana": {"num_layers": 5},
 }
 
 

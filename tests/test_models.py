@@ -26,6 +26,7 @@ PUBLISHED = {
     "unet": 860e6,  # Stable Diffusion 1.5 UNet
     "pixart": 0.6e9,  # PixArt-Sigma XL-2
     "dit": 675e6,  # DiT-XL/2 (paper); diffusers duplicates an embedder per block, see below
+    "sana": 1.6e9,  # Sana-1.6B (the paper, arXiv 2410.10629, and the model card: 1,604,462,752 in diffusers)
 }
 
 # Parameters that get no gradient by construction of the released architecture, not by a bug of the preset.
@@ -36,7 +37,7 @@ NO_GRAD = {
 }
 
 # Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
-PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16}
+PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16, "sana": 32}
 FRAME_STEP = {"ltx-video": 8, "wan": 4}
 
 
@@ -49,6 +50,8 @@ def expected_output_shape(name: str, config, batch: int, height: int, width: int
         return (batch, ((frames - 1) // 8 + 1) * (height // 32) * (width // 32), config.out_channels)
     if name == "wan":
         return (batch, config.out_channels, (frames - 1) // 4 + 1, h, w)
+    if name == "sana":  # the DC-AE: 32x spatial
+        return (batch, config.out_channels, height // 32, width // 32)
     return (batch, config.out_channels, h, w)
 
 
@@ -81,7 +84,7 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 
 
 def test_presets_cover_every_size_with_a_diffusers_class():
-    assert NAMES == ["flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit"]
+    assert NAMES == ["flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit", "sana"]
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
         assert hasattr(diffusers, preset.model_class)
@@ -144,6 +147,7 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "unet": (1, 4, 64, 64),
     "pixart": (1, 4, 128, 128),
     "dit": (1, 4, 32, 32),
+    "sana": (1, 32, 32, 32),  # 1024x1024 px through the 32x DC-AE
 }
 
 

@@ -26,11 +26,12 @@ from ..optimizers import OPTIMIZERS
 from ..units import UNITS
 from ._common import DTYPE_NAMES, SIZE_FLAGS, CLIError, machine_info
 
-COMMANDS = ("estimate", "inspect", "report")
+COMMANDS = ("estimate", "inspect", "report", "models")
 _SUMMARY = {
     "estimate": "estimate the peak memory of one step on fake tensors (no memory, no GPU needed)",
     "inspect": "summarize a CUDA memory snapshot (.pickle) and its largest allocations at the peak",
     "report": "compare the optimizations on a real small model and write one self-contained HTML report",
+    "models": "list the presets (hub ids, parameters) and which diffusers transformer/UNet classes memkit supports",
 }
 
 __all__ = [
@@ -116,11 +117,21 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
         "  memkit estimate flux --grad-accum 4           # 4 micro-batches per optimizer step\n"
         "  memkit estimate flux --mixed-precision bf16   # fp32 weights and AdamW, bf16 autocast\n"
-        "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n\n" + _presets_epilog(),
+        "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n"
+        "  memkit estimate Wan-AI/Wan2.1-T2V-14B-Diffusers   # a preset by its hub id, offline\n"
+        "  memkit estimate path/to/transformer/config.json   # any config of a class memkit feeds\n\n"
+        + _presets_epilog(),
         formatter_class=_Formatter,
     )
-    p.add_argument("preset", metavar="PRESET", help="model preset (see the list below)")
-    p.add_argument("--size", choices=("full", "small", "tiny"), default="full", help="model size")
+    p.add_argument(
+        "preset",
+        metavar="MODEL",
+        help="a preset (see the list below), its hub id (offline), a save_pretrained folder, a config.json, or a "
+        "diffusers hub id (only its config.json is downloaded)",
+    )
+    p.add_argument(
+        "--size", choices=("full", "small", "tiny"), default="full", help="model size (presets; a config is 'full')"
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--training",
@@ -270,7 +281,23 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_runner("report"))
 
 
-_ADD = {"estimate": _add_estimate, "inspect": _add_inspect, "report": _add_report}
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "models",
+        help=_SUMMARY["models"],
+        description=_wrap(
+            "List the presets, grouped by image and video, with the hub id each answers to offline and its parameter "
+            "count at full size; then every transformer and UNet class of the installed diffusers, supported (memkit "
+            "builds its inputs: any config.json of it is estimated) or refused with the reason."
+        ),
+        epilog="examples:\n  memkit models\n  memkit models --json",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--json", action="store_true", help="print the presets and classes as JSON")
+    p.set_defaults(run=_runner("models"))
+
+
+_ADD = {"estimate": _add_estimate, "inspect": _add_inspect, "report": _add_report, "models": _add_models}
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

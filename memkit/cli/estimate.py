@@ -17,7 +17,6 @@ from ._common import (
     DTYPES,
     SIZE_FLAGS,
     CLIError,
-    check_preset,
     check_writable,
     fmt_count,
     optimizations_from,
@@ -74,7 +73,22 @@ def _parallel(args: argparse.Namespace, optimizations: list) -> tuple[list, memk
 
 def run(args: argparse.Namespace) -> int:
     """``memkit estimate``: a full-size step on fake tensors, printed as a table or JSON."""
-    check_preset(args.preset)
+    from ..models import config_preset
+    from ..naming import resolve
+
+    try:
+        ref = resolve(args.preset)
+    except (ValueError, TypeError) as e:
+        raise CLIError(str(e)) from None
+    preset = config_preset(ref)
+    if preset.inputs is None:
+        raise CLIError(
+            f"{args.preset} is a {ref.class_name}, whose inputs memkit cannot build (no preset has this class; "
+            "`memkit models` lists the classes it feeds): estimate it from Python with "
+            "memkit.estimate(config, inputs=lambda model: {...})"
+        )
+    if ref.preset is None and args.size != "full":
+        raise CLIError(f"--size {args.size} applies to presets; {args.preset} is a config, one size (its own)")
     auto = _auto_checkpointing(args)
     optimizations, parallel = _parallel(args, optimizations_from(args, args.optimization_specs))
     if getattr(args, "dora", False):
@@ -89,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     optimizer = (optimizer or "adamw") if training else None
     optimizer = None if optimizer == "none" else optimizer
     sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
-    allowed = memkit.PRESETS[args.preset].input_sizes[args.size]
+    allowed = preset.input_sizes[args.size]
     unknown = [k for k in sizes if k not in allowed]
     if unknown:
         flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
@@ -137,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
     meta = timeline.meta
     shape = {**allowed, **sizes}
     result = {
-        "preset": args.preset,
+        "preset": ref.preset,
+        "model": args.preset,
+        "class": ref.class_name,
         "size": args.size,
         "mode": args.mode,
         "dtype": meta["dtype"],

@@ -453,6 +453,12 @@ class FFSplit:
 
         refuse_adapters_in_feedforward(model)
         found = find_mlps(model)
+        if not found:  # nothing to split: say so rather than return a handle that changed nothing
+            raise ValueError(
+                f"ff-split found no feed-forward layer to split in {type(model).__name__}: it splits diffusers' "
+                "FeedForward (Linear, activation, Linear) and Flux's single-block MLP; this model's feed-forward, "
+                "if any, is another kind (Sana's GLUMBConv is convolutions)"
+            )
         if self.mode == "hidden":
             for name, _, mlp in found:
                 if self.splits > mlp.inner:

@@ -64,6 +64,7 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     ),  # fmt: skip
     # train_dreambooth_lora_sana.py (PixArt's successor; PixArt has no LoRA script of its own)
     "PixArtTransformer2DModel": ("to_k", "to_q", "to_v"),
+    "SanaTransformer2DModel": ("to_k", "to_q", "to_v"),
     # train_dreambooth_lora.py (the UNet script)
     "UNet2DConditionModel": ("to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_v_proj"),
 }
