@@ -136,6 +136,19 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "SanaTransformer2DModel": {"transformer_blocks": "num_layers"},
 }
 
+# Models whose block lists are known but whose spliced timeline is not byte-equal to running every block; they run
+# every block, and meta["memo"] says why.
+_REFUSED: dict[str, str] = {
+    "QwenImageTransformer2DModel": "Qwen-Image's last block computes a text stream the model drops; those tensors are "
+    "freed after the blocks in an order the splice does not reproduce (the bytes agree, which free pairs with which "
+    "allocation does not)",
+}
+
+
+def refused(class_name: str) -> str | None:
+    """Why a model of ``class_name`` is not memoized although its blocks are known, or None."""
+    return _REFUSED.get(class_name)
+
 
 def probe_builder(preset, size: str, dtype: torch.dtype, seed: int):
     """``(build, lengths)`` for a preset: ``build()`` makes the preset at ``size`` with each block list longer than

@@ -255,6 +255,8 @@ def estimate(
     measured = None
     probe = None
     if why_not is None and preset is not None:
+        why_not = _memo.refused(preset.model_class)
+    if why_not is None and preset is not None:
         probe = _memo.probe_builder(preset, size, dtype, seed)
         if probe is None:  # a preset without lists of identical blocks (UNet): not built twice to find out
             why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"

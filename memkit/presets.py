@@ -443,8 +443,48 @@ _SANA = _preset(
     _sana_inputs,
     "Efficient-Large-Model/Sana_1600M_1024px_diffusers",
 )
+
+
+def _qwen_image_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # QwenImagePipeline packs 2x2 latent pixels of 16 channels into one 64-channel token (VAE 8x, patch 2); the
+    # prompt is Qwen2.5-VL's hidden states, unpadded for one prompt, so no mask (the pipeline drops an all-ones one)
+    p = cfg["patch_size"]
+    h, w = _latent(s, "height", 8, p) // p, _latent(s, "width", 8, p) // p
+    inputs = {
+        "hidden_states": make.randn(b, h * w, cfg["in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+        "img_shapes": [[(1, h, w)]] * b,
+    }
+    if cfg["guidance_embeds"]:
+        inputs["guidance"] = make.full((b,), 4.0)
+    return inputs
+
+
+_QWEN_IMAGE = _preset(
+    "qwen-image",
+    "QwenImageTransformer2DModel",
+    "Qwen-Image 20B MMDiT (20.4B at full size)",
+    {
+        "tiny": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+                     num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
+        "small": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=4, attention_head_dim=64,
+                      num_attention_heads=8, joint_attention_dim=3584, axes_dims_rope=(8, 28, 28)),
+        # Qwen/Qwen-Image transformer/config.json (diffusers' class defaults)
+        "full": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                     axes_dims_rope=(16, 56, 56)),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=512),  # the pipeline's max_sequence_length: the longest prompt
+    },
+    _qwen_image_inputs,
+    "Qwen/Qwen-Image",
+)
 # fmt: on
 
-_ALL = (_FLUX, _SD3, _LTX, _WAN, _UNET, _PIXART, _DIT, _SANA)
+_ALL = (_FLUX, _SD3, _LTX, _WAN, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE)
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

@@ -92,6 +92,14 @@ def test_every_preset_default_step(preset):
     assert_same(*both(deep(preset)))
 
 
+def test_a_refused_model_runs_every_block_and_says_why():
+    from memkit.presets import PRESETS
+
+    tl = memkit.estimate("qwen-image", size="tiny", progress=False)
+    assert not tl.meta["memoized"] and "the splice does not reproduce" in tl.meta["memo"]
+    assert _memo.refused(PRESETS["qwen-image"].model_class) and _memo.refused("FluxTransformer2DModel") is None
+
+
 SETTINGS = {
     "checkpointing": dict(optimizations=[memkit.Checkpointing()]),
     "selective": dict(optimizations=[memkit.Checkpointing(provider="selective")]),

@@ -26,6 +26,7 @@ PUBLISHED = {
     "unet": 860e6,  # Stable Diffusion 1.5 UNet
     "pixart": 0.6e9,  # PixArt-Sigma XL-2
     "dit": 675e6,  # DiT-XL/2 (paper); diffusers duplicates an embedder per block, see below
+    "qwen-image": 20e9,  # Qwen-Image, "a 20B MMDiT" (its technical report and model card)
     "sana": 1.6e9,  # Sana-1.6B (the paper, arXiv 2410.10629, and the model card: 1,604,462,752 in diffusers)
 }
 
@@ -34,10 +35,36 @@ NO_GRAD = {
     # SD3's last joint block is "context_pre_only": its text-stream output is dropped, so the text queries of
     # that block feed nothing. SD3 Medium ships the same dead weights.
     "sd3": {"transformer_blocks.1.attn.add_q_proj.weight", "transformer_blocks.1.attn.add_q_proj.bias"},
+    # Qwen-Image's last block computes a text-stream output that the model discards (only the image stream reaches
+    # norm_out): the text side of that block's attention output and MLP feed nothing. The release has the same.
+    "qwen-image": {
+        f"transformer_blocks.1.{name}"
+        for name in (
+            "attn.add_q_proj.weight",
+            "attn.add_q_proj.bias",
+            "attn.to_add_out.weight",
+            "attn.to_add_out.bias",
+            "attn.norm_added_q.weight",
+            "txt_mlp.net.0.proj.weight",
+            "txt_mlp.net.0.proj.bias",
+            "txt_mlp.net.2.weight",
+            "txt_mlp.net.2.bias",
+        )
+    },  # fmt: skip
 }
 
 # Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
-PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16, "sana": 32}
+PIXEL_STEP = {
+    "flux": 16,
+    "sd3": 16,
+    "ltx-video": 32,
+    "wan": 16,
+    "unet": 8,
+    "pixart": 16,
+    "dit": 16,
+    "sana": 32,
+    "qwen-image": 16,
+}
 FRAME_STEP = {"ltx-video": 8, "wan": 4}
 
 
@@ -50,6 +77,8 @@ def expected_output_shape(name: str, config, batch: int, height: int, width: int
         return (batch, ((frames - 1) // 8 + 1) * (height // 32) * (width // 32), config.out_channels)
     if name == "wan":
         return (batch, config.out_channels, (frames - 1) // 4 + 1, h, w)
+    if name == "qwen-image":  # 2x2 latent pixels of out_channels packed into one token
+        return (batch, (h // 2) * (w // 2), config.out_channels * 4)
     if name == "sana":  # the DC-AE: 32x spatial
         return (batch, config.out_channels, height // 32, width // 32)
     return (batch, config.out_channels, h, w)
@@ -84,7 +113,7 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 
 
 def test_presets_cover_every_size_with_a_diffusers_class():
-    assert NAMES == ["flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit", "sana"]
+    assert NAMES == ["flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit", "sana", "qwen-image"]
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
         assert hasattr(diffusers, preset.model_class)
@@ -148,6 +177,7 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "pixart": (1, 4, 128, 128),
     "dit": (1, 4, 32, 32),
     "sana": (1, 32, 32, 32),  # 1024x1024 px through the 32x DC-AE
+    "qwen-image": (1, 64 * 64, 64),
 }
 
 

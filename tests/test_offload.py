@@ -59,7 +59,9 @@ def _assert_same_training(ref, model, inputs, steps: int = 3, lr: float = 1e-2):
             out.float().pow(2).mean().backward()
         assert _max_diff(*[[o] for o in outs]) <= TOL
         grads = [[p.grad for p in net.parameters()] for net in (ref, model)]
-        assert all(g is not None for g in grads[1]) and _max_diff(*grads) <= TOL
+        # every parameter the model in memory trains gets its gradient (Qwen-Image's last block has dead weights)
+        live = [(r, g) for r, g in zip(*grads, strict=True) if r is not None]
+        assert all(g is not None for _, g in live) and _max_diff(*zip(*live, strict=True)) <= TOL
         opt_r.step(), opt_m.step()
         opt_r.zero_grad(), opt_m.zero_grad()
     with torch.no_grad():  # the updates were written back: a fresh forward reads them from the store
