@@ -24,6 +24,9 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "sd3": {"num_layers": 5},
     "ltx-video": {"num_layers": 5},
     "wan": {"num_layers": 6},
+    "hunyuanvideo": {"num_layers": 5, "num_single_layers": 6},
+    "cogvideox-5b": {"num_layers": 5},
+    "cogvideox-2b": {"num_layers": 5},
     "pixart": {"num_layers": 5},
     "dit": {"num_layers": 5},
 }

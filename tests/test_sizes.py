@@ -30,8 +30,8 @@ pytestmark = pytest.mark.slow  # every preset at six sizes in two dtypes, each a
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Frames that move a video preset's peak into the backward at its tiny default height and width
-# (LTX-Video 65 frames: 9 latent frames; Wan 33 frames: 9 latent frames).
-FRAMES = {"ltx-video": 65, "wan": 33}
+# (LTX-Video 65 frames: 9 latent frames; the 4x temporal VAEs 33 frames: 9 latent frames).
+FRAMES = {"ltx-video": 65, "wan": 33, "hunyuanvideo": 33, "cogvideox-5b": 33, "cogvideox-2b": 33}
 
 # variant -> (mode, batch size, make_inputs sizes, the phase the tracked peak falls in; None: not claimed)
 VARIANTS = {
