@@ -276,10 +276,11 @@ def test_the_readme_lora_table_is_what_the_estimates_say(capsys):
 # do not enter these two figures: the activations are gone by then. Not compared: max_memory_reserved (it needs the
 # caching allocator's model), the validation stages (a pipeline), HunyuanVideo's run without precomputation (its text
 # encoders on the GPU), and HunyuanVideo full fine-tuning (finetrainers: out of memory, no figures).
-# After the step finetrainers holds 0.02-0.035 GiB more than weights + adapters + state in every run, whatever the
-# optimizer's size (LTX 0.02, CogVideoX LoRA 0.031 and full 0.033, HunyuanVideo 0.035): outside the transformer and
-# its optimizer, so outside what memkit models. Its size fits cuBLAS's default 32 MiB workspace on Hopper, which the
-# caching allocator hands out and memory_allocated() counts (not checked on a GPU here).
+# After the step finetrainers holds 0.02-0.035 GiB more than memkit's weights + adapters + AdamW state in every run
+# (LTX-Video 0.021 LoRA and full, CogVideoX-5b 0.031 LoRA and 0.033 full, HunyuanVideo 0.035), whatever the optimizer's
+# size, and before training under 0.01 GiB more: something the step creates outside the transformer and its optimizer,
+# which memkit does not model. A cuBLAS workspace (32 MiB by default on Hopper, handed out by the caching allocator and
+# counted by memory_allocated()) is of that size; not checked on a GPU here. memkit is 0.1-0.5% under.
 FINETRAINERS = {
     ("ltx-video", "lora"): dict(trainable=117_440_512, before=3.809, after=4.26),
     ("ltx-video", "full"): dict(trainable=1_923_385_472, before=3.583, after=10.769),

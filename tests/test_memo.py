@@ -140,8 +140,8 @@ def test_every_setting(preset, setting):
 @pytest.mark.parametrize(
     "preset, setting",
     _pairs_of(
-        ["sd3", "pixart", "dit"],
-        ["checkpointing", "ff-split", "inference"],
+        ["sd3", "pixart", "dit", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b"],
+        ["checkpointing", "ff-split", "inference", "lora"],
         {("sd3", "checkpointing"), ("pixart", "ff-split"), ("dit", "inference")},
     ),
 )
@@ -157,6 +157,7 @@ FSDP = {
     "fsdp-8-ff-split": ("sd3", dict(parallel=memkit.FSDP(world_size=8), optimizations=[memkit.FFSplit(splits=2)])),
     "fsdp-ltx": ("ltx-video", dict(parallel=memkit.FSDP(world_size=2), optimizer="sgd", steps=3)),
     "fsdp-pixart": ("pixart", dict(parallel=memkit.FSDP(world_size=2))),
+    "fsdp-hunyuanvideo": ("hunyuanvideo", dict(parallel=memkit.FSDP(world_size=2))),
     # optimizer state before the measured step: the optimizer holds local shards, owned by their blocks' storage
     "fsdp-adam-3-steps": (
         "wan",
