@@ -131,6 +131,11 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "SD3Transformer2DModel": {"transformer_blocks": "num_layers"},
     "LTXVideoTransformer3DModel": {"transformer_blocks": "num_layers"},
     "WanTransformer3DModel": {"blocks": "num_layers"},
+    "HunyuanVideoTransformer3DModel": {
+        "transformer_blocks": "num_layers",
+        "single_transformer_blocks": "num_single_layers",
+    },
+    "CogVideoXTransformer3DModel": {"transformer_blocks": "num_layers"},
     "PixArtTransformer2DModel": {"transformer_blocks": "num_layers"},
     "DiTTransformer2DModel": {"transformer_blocks": "num_layers"},
     "SanaTransformer2DModel": {"transformer_blocks": "num_layers"},

@@ -2,7 +2,8 @@
 and make the inputs of its forward.
 
 Every measurement in memkit needs a model and inputs of the right shapes. The presets (`memkit.presets`) build
-the diffusers classes behind Flux, SD3, LTX-Video, Wan, the SD1.5 UNet, PixArt-Sigma and DiT from configs:
+the diffusers classes behind Flux, SD3, LTX-Video, Wan, HunyuanVideo, CogVideoX (5b, 2b), the SD1.5 UNet,
+PixArt-Sigma and DiT from configs:
 
 - ``tiny``: two blocks and a few hundred thousand parameters, so tests run a full step in milliseconds;
 - ``small``: 30-100M parameters, enough for timings and memory curves that mean something on a laptop;
@@ -12,7 +13,8 @@ the diffusers classes behind Flux, SD3, LTX-Video, Wan, the SD1.5 UNet, PixArt-S
 
 ``make_inputs`` gives every keyword the forward needs, in the model's dtype and on its device, at realistic
 sizes for the preset size (full: 1024x1024 images for Flux, SD3 and PixArt; 512x512 for the UNet; 256x256 for
-DiT; 480x704 px x 41 frames for LTX-Video; 480x832 px x 17 frames for Wan).
+DiT; 480x704 px x 41 frames for LTX-Video; 480x832 px x 17 frames for Wan; 512x768 px x 49 frames for
+HunyuanVideo and 480x720 px x 49 frames for CogVideoX, as finetrainers' memory tables).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import diffusers
@@ -39,7 +42,10 @@ __all__ = ["load_model", "make_inputs", "preset_of"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
-_PRESET_BY_CLASS = {p.model_class: p.name for p in PRESETS.values()}
+_PRESETS_BY_CLASS: dict[str, tuple[str, ...]] = {}  # CogVideoX-5b and -2b share a class
+for _p in PRESETS.values():
+    _PRESETS_BY_CLASS[_p.model_class] = (*_PRESETS_BY_CLASS.get(_p.model_class, ()), _p.name)
+del _p
 # The oldest diffusers memkit's fast tests pass on (0.35.2): every preset's model class (Wan's arrived in 0.33) and
 # the Flux single block's forward that the FF split follows (0.35); pyproject.toml declares the same floor
 # (tests/test_models.py checks they agree). offload_check.diffusers_check needs 0.41.
@@ -112,7 +118,10 @@ def config_preset(ref) -> Preset:
 
     if ref.preset is not None:
         return PRESETS[ref.preset]
-    base = PRESETS.get(_PRESET_BY_CLASS.get(ref.class_name, ""))
+    names = _PRESETS_BY_CLASS.get(ref.class_name)
+    base = None
+    if names:  # of presets sharing the class (CogVideoX-5b and -2b), the one the config is closest to
+        base = PRESETS[names[0] if len(names) == 1 else _closest_preset(SimpleNamespace(config=ref.config), names)]
     configs = dict.fromkeys(SIZES, dict(ref.config))
     if base is None:
         return Preset(ref.source, ref.class_name, configs, ref.source, dict.fromkeys(SIZES, {}), None)
@@ -206,30 +215,51 @@ def _load_hub(repo_id: str, dtype: torch.dtype, device: torch.device) -> torch.n
 
 
 def _tag(model: torch.nn.Module) -> torch.nn.Module:
-    name = _PRESET_BY_CLASS.get(type(model).__name__)
-    if name is not None:
+    if type(model).__name__ in _PRESETS_BY_CLASS:
+        name = preset_of(model)
         model._memkit_preset, model._memkit_size = name, _matching_size(model, PRESETS[name])
     return model.train()
 
 
-def _matching_size(model: torch.nn.Module, preset: Preset) -> str:
-    """The preset size whose config the model's config matches; ``"full"`` for any other checkpoint."""
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value))
 
-    def plain(value: Any) -> Any:
-        return json.loads(json.dumps(value))
 
+def _exact_size(model: torch.nn.Module, preset: Preset) -> str | None:
+    """The preset size whose config the model's config matches, else None."""
     config = getattr(model, "config", {})
     for size in SIZES:
-        if all(plain(config.get(k)) == plain(v) for k, v in preset.configs[size].items()):
+        if all(_plain(config.get(k)) == _plain(v) for k, v in preset.configs[size].items()):
             return size
-    return "full"
+    return None
+
+
+def _matching_size(model: torch.nn.Module, preset: Preset) -> str:
+    """The preset size whose config the model's config matches; ``"full"`` for any other checkpoint."""
+    return _exact_size(model, preset) or "full"
+
+
+def _closest_preset(model: torch.nn.Module, names: tuple[str, ...]) -> str:
+    """Of presets sharing a class: the one with a size whose config the model's matches, else the one whose full
+    config shares most values with the model's (a fine-tune or sibling checkpoint of that release)."""
+    exact = [n for n in names if _exact_size(model, PRESETS[n]) is not None]
+    if exact:
+        return exact[0]
+    config = getattr(model, "config", {})
+
+    def shared(name: str) -> int:
+        full = PRESETS[name].configs["full"]
+        return sum(_plain(config.get(k)) == _plain(v) for k, v in full.items())
+
+    return max(names, key=shared)  # the first of the best on a tie: menu order
 
 
 def preset_of(model: torch.nn.Module) -> str:
     """Name of the preset a model belongs to: the one `load_model` recorded, else found by its class.
 
     Used by `make_inputs` to know the shapes a model expects. Wrappers such as ``torch.compile`` are seen
-    through.
+    through. Presets that share a class (``cogvideox-5b`` and ``cogvideox-2b``) are told apart by the config: the
+    one with a size whose config the model's matches, else the one whose full config it shares most values with.
 
     Example:
         >>> preset_of(load_model("wan"))
@@ -237,11 +267,15 @@ def preset_of(model: torch.nn.Module) -> str:
         >>> preset_of(diffusers.DiTTransformer2DModel(**PRESETS["dit"].configs["tiny"]))  # by class: 'dit'
     """
     model = getattr(model, "_orig_mod", model)
-    name = getattr(model, "_memkit_preset", None) or _PRESET_BY_CLASS.get(type(model).__name__)
+    name = getattr(model, "_memkit_preset", None)
+    if name is None:
+        names = _PRESETS_BY_CLASS.get(type(model).__name__)
+        if names is not None:
+            name = names[0] if len(names) == 1 else _closest_preset(model, names)
     if name not in PRESETS:
         raise ValueError(
             f"memkit cannot build the inputs of {type(model).__name__}: no preset has this class (the classes it "
-            f"feeds: {', '.join(_PRESET_BY_CLASS)}). Pass them: memkit.estimate(..., inputs=lambda model: "
+            f"feeds: {', '.join(_PRESETS_BY_CLASS)}). Pass them: memkit.estimate(..., inputs=lambda model: "
             "{'hidden_states': ..., ...}) with the keyword arguments of its forward"
         )
     return name
@@ -255,7 +289,8 @@ def make_inputs(model: torch.nn.Module, *, batch_size: int = 1, seed: int = 0, *
 
     Sizes are in pixels and tokens, as a user thinks of them: ``height``, ``width`` (pixels; the latent is
     what the preset's VAE makes of them, /8 or /32 for LTX-Video, and must split into whole patches),
-    ``frames`` (video presets; 4k+1 for Wan, 8k+1 for LTX-Video) and ``text_len`` (text tokens; not for DiT).
+    ``frames`` (video presets; 4k+1 for Wan, HunyuanVideo and CogVideoX, 8k+1 for LTX-Video) and ``text_len``
+    (text tokens; not for DiT; exactly 226 for CogVideoX-2b, whose position table follows the padded T5 prompt).
     Defaults follow the size the model was built at (see ``PRESETS[name].input_sizes``); a model loaded from a
     folder that matches no preset config gets the full-size defaults. Float tensors are in the model's dtype
     and on its device; the global RNG is untouched; works inside ``FakeTensorMode``. The output is requested as

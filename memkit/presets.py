@@ -1,10 +1,10 @@
-"""The seven model presets: each one's diffusers class, its config at three sizes, and its inputs.
+"""The ten model presets: each one's diffusers class, its config at three sizes, and its inputs.
 
 A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3,
-LTX-Video, Wan, the SD1.5 UNet, PixArt-Sigma or DiT, its config at each size (``tiny``: tests; ``small``:
-30-100M parameters, benchmarks; ``full``: the released config), the default input sizes, and the function
-that builds the forward's keyword arguments from pixel and token sizes. Each preset's input builder sits
-right above its config, so adding a model is one block in this file.
+LTX-Video, Wan, HunyuanVideo, CogVideoX (5b and 2b share one class), the SD1.5 UNet, PixArt-Sigma or DiT, its
+config at each size (``tiny``: tests; ``small``: 30-100M parameters, benchmarks; ``full``: the released config),
+the default input sizes, and the function that builds the forward's keyword arguments from pixel and token sizes.
+Each preset's input builder sits right above its config, so adding a model is one block in this file.
 """
 
 from __future__ import annotations
@@ -277,6 +277,152 @@ _WAN = _preset(
 )
 
 
+def _hunyuan_video_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # HunyuanVideoPipeline: 8x spatial, 4x temporal VAE of 16 channels; LLaMA hidden states (4096 wide) with their
+    # attention mask; CLIP's pooled output (768); the guidance scale times 1000 as the distilled guidance embedding.
+    p, pt = cfg["patch_size"], cfg["patch_size_t"]
+    h, w, f = _latent(s, "height", 8, p), _latent(s, "width", 8, p), _latent_frames(s, 4)
+    if f % pt:
+        raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch_size_t={pt}")
+    inputs = {
+        "hidden_states": make.randn(b, cfg["in_channels"], f, h, w),
+        "timestep": make.timestep(b),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_embed_dim"]),
+        "encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
+        "pooled_projections": make.randn(b, cfg["pooled_projection_dim"]),
+    }
+    if cfg["guidance_embeds"]:
+        inputs["guidance"] = make.full((b,), 6.0 * 1000.0)  # the pipeline's default guidance_scale=6.0, x1000
+    return inputs
+
+
+_HUNYUAN_VIDEO = _preset(
+    "hunyuanvideo",
+    "HunyuanVideoTransformer3DModel",
+    "HunyuanVideo transformer (12.8B at full size; 13B in the paper)",
+    {
+        "tiny": dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+                     num_single_layers=1, num_refiner_layers=1, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                     guidance_embeds=True, text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6)),
+        "small": dict(in_channels=16, out_channels=16, num_attention_heads=8, attention_head_dim=64, num_layers=2,
+                      num_single_layers=4, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                      guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                      rope_axes_dim=(16, 24, 24)),
+        # hunyuanvideo-community/HunyuanVideo transformer/config.json (diffusers 0.32.0.dev0; the converted tencent/
+        # HunyuanVideo that diffusers' docs and finetrainers load)
+        "full": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                     num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                     qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                     rope_theta=256.0, rope_axes_dim=(16, 56, 56)),
+    },
+    {
+        "tiny": dict(height=32, width=32, frames=5, text_len=8),
+        "small": dict(height=128, width=128, frames=9, text_len=64),
+        # finetrainers' memory tables (49x512x768); the pipeline's LLaMA max_sequence_length
+        "full": dict(height=512, width=768, frames=49, text_len=256),
+    },
+    _hunyuan_video_inputs,
+    "hunyuanvideo-community/HunyuanVideo",
+)
+
+
+def _resize_crop_region(grid: tuple[int, int], base_width: int, base_height: int) -> tuple[tuple[int, int], ...]:
+    """pipeline_cogvideox.get_resize_crop_region_for_grid, the same arithmetic: importing the pipeline module loads
+    transformers (seconds) for a dozen lines (tests/test_models.py checks the rotary tables equal the pipeline's)."""
+    h, w = grid
+    if h / w > base_height / base_width:
+        height, width = base_height, int(round(base_height / h * w))
+    else:
+        width, height = base_width, int(round(base_width / w * h))
+    top, left = int(round((base_height - height) / 2.0)), int(round((base_width - width) / 2.0))
+    return (top, left), (top + height, left + width)
+
+
+def _cogvideox_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # CogVideoXPipeline: 8x spatial, 4x temporal VAE of 16 channels, latents (batch, frames, channels, h, w); T5
+    # hidden states padded to max_sequence_length (226).
+    p = cfg["patch_size"]
+    if cfg["patch_size_t"] is not None:
+        raise ValueError("the cogvideox presets are CogVideoX 1.0 checkpoints (patch_size_t=None)")
+    h, w, f = _latent(s, "height", 8, p), _latent(s, "width", 8, p), _latent_frames(s, 4)
+    if not cfg["use_rotary_positional_embeddings"] and s["text_len"] != cfg["max_text_seq_length"]:
+        raise ValueError(
+            f"text_len={s['text_len']} must be {cfg['max_text_seq_length']} (max_text_seq_length): the sincos position "
+            "table of a CogVideoX without rotary embeddings starts after exactly that many text tokens"
+        )
+    inputs = {
+        "hidden_states": make.randn(b, f, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_embed_dim"]),
+        "timestep": make.timestep(b),
+    }
+    if cfg["use_rotary_positional_embeddings"]:  # CogVideoXPipeline._prepare_rotary_positional_embeddings (1.0)
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        grid = (h // p, w // p)
+        inputs["image_rotary_emb"] = get_3d_rotary_pos_embed(
+            embed_dim=cfg["attention_head_dim"],
+            crops_coords=_resize_crop_region(grid, cfg["sample_width"] // p, cfg["sample_height"] // p),
+            grid_size=grid,
+            temporal_size=f,
+            device=make.device,
+        )
+    return inputs
+
+
+# THUDM/CogVideoX-5b and THUDM/CogVideoX-2b transformer/config.json: the two differ in depth, width and position
+# embedding (diffusers' scripts/convert_cogvideox_to_diffusers.py: "For CogVideoX-2B, num_layers is 30. For 5B, it is
+# 42"; heads 30 and 48; "For CogVideoX-2B, use_rotary_positional_embeddings is False. For 5B, it is True").
+_COGVIDEOX_FULL = dict(activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64, dropout=0.0,
+                       flip_sin_to_cos=True, freq_shift=0, in_channels=16, max_text_seq_length=226,
+                       norm_elementwise_affine=True, norm_eps=1e-5, out_channels=16, patch_size=2, sample_frames=49,
+                       sample_height=60, sample_width=90, spatial_interpolation_scale=1.875,
+                       temporal_compression_ratio=4, temporal_interpolation_scale=1.0, text_embed_dim=4096,
+                       time_embed_dim=512, timestep_activation_fn="silu")
+_COGVIDEOX_TINY = dict(attention_head_dim=16, num_attention_heads=2, in_channels=4, out_channels=4, time_embed_dim=32,
+                       text_embed_dim=32, num_layers=2, sample_width=4, sample_height=4, sample_frames=5,
+                       max_text_seq_length=8, patch_size=2)
+_COGVIDEOX_SMALL = dict(attention_head_dim=64, num_attention_heads=8, in_channels=16, out_channels=16,
+                        time_embed_dim=512, text_embed_dim=4096, num_layers=8, sample_width=16, sample_height=16,
+                        sample_frames=9, max_text_seq_length=64, patch_size=2)
+# The pipeline's defaults: sample_height x 8 by sample_width x 8 px, sample_frames, T5 padded to 226 tokens; also
+# finetrainers' memory tables (49x480x720).
+_COGVIDEOX_SIZES = {
+    "tiny": dict(height=32, width=32, frames=5, text_len=8),
+    "small": dict(height=128, width=128, frames=9, text_len=64),
+    "full": dict(height=480, width=720, frames=49, text_len=226),
+}
+
+
+_COGVIDEOX_5B = _preset(
+    "cogvideox-5b",
+    "CogVideoXTransformer3DModel",
+    "CogVideoX-5b transformer (5.6B at full size)",
+    {
+        "tiny": dict(_COGVIDEOX_TINY, use_rotary_positional_embeddings=True),
+        "small": dict(_COGVIDEOX_SMALL, use_rotary_positional_embeddings=True),
+        "full": dict(_COGVIDEOX_FULL, num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True),
+    },
+    _COGVIDEOX_SIZES,
+    _cogvideox_inputs,
+    "THUDM/CogVideoX-5b",
+)
+
+
+_COGVIDEOX_2B = _preset(
+    "cogvideox-2b",
+    "CogVideoXTransformer3DModel",
+    "CogVideoX-2b transformer (1.7B at full size; the 2B of its name)",
+    {
+        "tiny": dict(_COGVIDEOX_TINY, use_rotary_positional_embeddings=False),
+        "small": dict(_COGVIDEOX_SMALL, use_rotary_positional_embeddings=False),
+        "full": dict(_COGVIDEOX_FULL, num_attention_heads=30, num_layers=30, use_rotary_positional_embeddings=False),
+    },
+    _COGVIDEOX_SIZES,
+    _cogvideox_inputs,
+    "THUDM/CogVideoX-2b",
+)
+
+
 _SD_DOWN = ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D")
 
 
@@ -485,6 +631,6 @@ _QWEN_IMAGE = _preset(
 )
 # fmt: on
 
-_ALL = (_FLUX, _SD3, _LTX, _WAN, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE)
+_ALL = (_FLUX, _SD3, _LTX, _WAN, _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE)
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

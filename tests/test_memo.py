@@ -24,6 +24,9 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "sd3": {"num_layers": 5},
     "ltx-video": {"num_layers": 5},
     "wan": {"num_layers": 6},
+    "hunyuanvideo": {"num_layers": 5, "num_single_layers": 6},
+    "cogvideox-5b": {"num_layers": 5},
+    "cogvideox-2b": {"num_layers": 5},
     "pixart": {"num_layers": 5},
     "dit": {"num_layers": 5},
     "sana": {"num_layers": 5},
@@ -146,8 +149,8 @@ def test_every_setting(preset, setting):
 @pytest.mark.parametrize(
     "preset, setting",
     _pairs_of(
-        ["sd3", "pixart", "dit"],
-        ["checkpointing", "ff-split", "inference"],
+        ["sd3", "pixart", "dit", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b"],
+        ["checkpointing", "ff-split", "inference", "lora"],
         {("sd3", "checkpointing"), ("pixart", "ff-split"), ("dit", "inference")},
     ),
 )
@@ -163,6 +166,7 @@ FSDP = {
     "fsdp-8-ff-split": ("sd3", dict(parallel=memkit.FSDP(world_size=8), optimizations=[memkit.FFSplit(splits=2)])),
     "fsdp-ltx": ("ltx-video", dict(parallel=memkit.FSDP(world_size=2), optimizer="sgd", steps=3)),
     "fsdp-pixart": ("pixart", dict(parallel=memkit.FSDP(world_size=2))),
+    "fsdp-hunyuanvideo": ("hunyuanvideo", dict(parallel=memkit.FSDP(world_size=2))),
     # optimizer state before the measured step: the optimizer holds local shards, owned by their blocks' storage
     "fsdp-adam-3-steps": (
         "wan",

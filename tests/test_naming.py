@@ -165,3 +165,9 @@ def test_memkit_models_lists_every_preset_and_every_diffusers_class(capsys):
 def test_the_readme_support_table_is_the_generated_one():
     # regenerate: python -c "from memkit.naming import support_table; print(support_table())"
     assert naming.support_table() in README.read_text()
+
+
+def test_the_readme_presets_table_names_every_preset_with_its_class_and_hub_id():
+    text = README.read_text()
+    for p in PRESETS.values():
+        assert f"| `{p.name}` | `{p.model_class}` | `{p.hub_id}` |" in text, p.name

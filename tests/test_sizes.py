@@ -30,8 +30,9 @@ pytestmark = pytest.mark.slow  # every preset at six sizes in two dtypes, each a
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Frames that move a video preset's peak into the backward at its tiny default height and width
-# (LTX-Video 65 frames: 9 latent frames; Wan 33 frames: 9 latent frames).
-FRAMES = {"ltx-video": 65, "wan": 33}
+# (LTX-Video 65 frames: 9 latent frames; the 4x temporal VAEs 33 frames: 9 latent frames; HunyuanVideo, whose tiny
+# model is nearly twice CogVideoX's, 65: at 33 its update still tops the backward).
+FRAMES = {"ltx-video": 65, "wan": 33, "hunyuanvideo": 65, "cogvideox-5b": 33, "cogvideox-2b": 33}
 
 # variant -> (mode, batch size, make_inputs sizes, the phase the tracked peak falls in; None: not claimed)
 VARIANTS = {
@@ -42,6 +43,15 @@ VARIANTS = {
     "frames": ("training", 1, {}, "backward"),  # frames from FRAMES
     "256px-inference": ("inference", 1, {"height": 256, "width": 256}, "forward"),
 }
+
+
+# Where a preset's peak falls elsewhere than its variant's: measured. Tiny HunyuanVideo at batch 2 and 128 px peaks at
+# the end of its forward (every activation live, with the output's unpatchify), above its backward.
+PHASE = {("hunyuanvideo", "batch2-128px"): "forward"}
+
+
+def _phase(preset: str, variant: str) -> str | None:
+    return PHASE.get((preset, variant), VARIANTS[variant][3])
 
 
 def _is_video(preset: str) -> bool:
@@ -60,7 +70,7 @@ def _cases() -> list:
 
 
 def _phase_cases() -> list:
-    return [pytest.param(*c.values, id=c.id) for c in _cases() if VARIANTS[c.values[1]][3] is not None]
+    return [pytest.param(*c.values, id=c.id) for c in _cases() if _phase(*c.values[:2]) is not None]
 
 
 @functools.cache
@@ -104,7 +114,7 @@ def test_peak_equals_profiler_at_sizes_beyond_the_defaults(preset, variant, dtyp
 @pytest.mark.parametrize(("preset", "variant", "dtype"), _phase_cases())
 def test_peak_phase(preset, variant, dtype):
     tl, _, _ = measure(preset, variant, dtype)
-    assert tl.peak_phase == VARIANTS[variant][3]
+    assert tl.peak_phase == _phase(preset, variant)
 
 
 def test_frames_cover_every_video_preset():

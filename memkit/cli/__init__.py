@@ -58,7 +58,7 @@ def _wrap(text: str) -> str:
 
 
 def _presets_epilog() -> str:
-    return "presets:\n" + "\n".join(f"  {k:<10} {p.description}" for k, p in memkit.PRESETS.items())
+    return "presets:\n" + "\n".join(f"  {k:<12} {p.description}" for k, p in memkit.PRESETS.items())
 
 
 def _runner(command: str) -> Callable[[argparse.Namespace], int]:

@@ -177,5 +177,5 @@ def write_figure(fig, path: str, *, png: bool = False, what: str = "timeline") -
 
 def check_preset(name: str) -> None:
     if name not in memkit.PRESETS:
-        listing = "\n".join(f"  {k:<10} {p.description}" for k, p in memkit.PRESETS.items())
+        listing = "\n".join(f"  {k:<12} {p.description}" for k, p in memkit.PRESETS.items())
         raise CLIError(f"unknown preset {name!r}; choose one of:\n{listing}")

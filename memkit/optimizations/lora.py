@@ -67,6 +67,11 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "SanaTransformer2DModel": ("to_k", "to_q", "to_v"),
     # train_dreambooth_lora.py (the UNet script)
     "UNet2DConditionModel": ("to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_v_proj"),
+    # diffusers' examples/cogvideo/train_cogvideox_lora.py; finetrainers' docs/training/cogvideox.md
+    "CogVideoXTransformer3DModel": ("to_k", "to_q", "to_v", "to_out.0"),
+    # finetrainers' docs/training/hunyuan_video.md (--target_modules to_q to_k to_v to_out.0); diffusers has no
+    # HunyuanVideo LoRA script. The names also reach the token refiner's attention, as in finetrainers' count.
+    "HunyuanVideoTransformer3DModel": ("to_k", "to_q", "to_v", "to_out.0"),
 }
 """Model class -> the modules diffusers' LoRA training script for that family targets by default. Classes not
 listed (Wan, LTX-Video, DiT) get :data:`ATTENTION`, the attention projections finetrainers and diffusers'
