@@ -502,3 +502,13 @@ def test_sequence_mode_tiles_a_flux_single_blocks_tokens_with_batch_two(splits):
     assert start == whole.shape[1] == 9
     for a, b in zip(r0, r1, strict=True):
         assert _close(a, b)
+
+
+def test_blocks_whose_mlp_it_cannot_split_are_named_in_a_warning():
+    model = memkit.load_model("hunyuanvideo")
+    singles = sum(type(m).__name__ == "HunyuanVideoSingleTransformerBlock" for m in model.modules())
+    assert singles >= 1
+    match = f"leaves the MLP of {singles} HunyuanVideoSingleTransformerBlock blocks whole"
+    with pytest.warns(UserWarning, match=match):
+        handle = memkit.FFSplit(splits=2).apply(model)
+    handle.remove()

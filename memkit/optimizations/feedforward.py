@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import warnings
@@ -50,6 +51,10 @@ from torch import nn
 from ..handle import Handle
 
 _MODES = ("hidden", "sequence")
+
+# Blocks whose MLP ff-split does not rewrite (its forward is not one it knows): the split leaves them whole, and
+# says so. HunyuanVideo's single-stream blocks run proj_mlp beside attention, but not as Flux's single block does.
+_UNSPLIT_BLOCKS = {"HunyuanVideoSingleTransformerBlock": "proj_mlp -> proj_out, fused with attention"}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -466,6 +471,13 @@ class FFSplit:
                         f"splits must be at most the inner dimension of every feed-forward layer, got "
                         f"splits={self.splits} > {mlp.inner} ({name or type(model).__name__})"
                     )
+        unsplit = collections.Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in _UNSPLIT_BLOCKS)
+        for name, n in unsplit.items():
+            warnings.warn(
+                f"ff-split leaves the MLP of {n} {name} blocks whole ({_UNSPLIT_BLOCKS[name]}: a forward it has no "
+                f"rewrite for); it splits the other {len(found)} feed-forward layers",
+                stacklevel=2,
+            )
         missing = object()
         saved = []
         for _, module, mlp in found:
