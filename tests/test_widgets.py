@@ -628,3 +628,14 @@ def test_the_recipe_controls_reach_the_step_and_the_estimate():
     base = result.comparison.results["baseline"].timeline
     assert base.meta["grad_accum"] == 2
     assert base.peak_bytes == memkit.estimate("dit", size="tiny", grad_accum=2, progress=False).peak_bytes
+
+
+def test_the_model_dropdown_lists_every_preset_grouped_image_then_video():
+    pg = memkit.Playground(preset="dit", repeats=0, figures="widget")
+    options = pg.controls["preset"].options
+    assert sorted(v for _, v in options) == sorted(memkit.PRESETS)
+    kinds = [label.split(" · ")[0] for label, _ in options]
+    assert kinds == sorted(kinds, key=("image", "video").index) and {"image", "video"} == set(kinds)
+    video = {v for label, v in options if label.startswith("video")}
+    assert video == {k for k, p in memkit.PRESETS.items() if "frames" in p.input_sizes["full"]}
+    assert {"wan", "hunyuanvideo", "ltx-video"} <= video and "flux" not in video

@@ -100,7 +100,14 @@ class Playground:
 
         s = self.state
         c: dict[str, widgets.ValueWidget] = {}
-        options = [(f"{k}: {p.description}", k) for k, p in PRESETS.items()]
+        # grouped: the image models, then the video ones (a Dropdown has no option groups: the label leads with it)
+        kinds = {k: "video" if "frames" in p.input_sizes["full"] else "image" for k, p in PRESETS.items()}
+        options = [
+            (f"{kind} · {k}: {p.description}", k)
+            for kind in ("image", "video")
+            for k, p in PRESETS.items()
+            if kinds[k] == kind
+        ]
         c["preset"] = widgets.Dropdown(options=options, value=s.preset, description="model")
         c["size"] = widgets.ToggleButtons(options=["tiny", "small"], value=s.size, description="size")
         c["dtype"] = widgets.Dropdown(options=list(DTYPES), value=s.dtype, description="dtype")
