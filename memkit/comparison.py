@@ -193,9 +193,16 @@ class Comparison:
 
 def _model_factory(model: str | Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.nn.Module]:
     if isinstance(model, str):
-        if model not in PRESETS:
-            raise ValueError(f"model_fn must be a callable or one of the presets {sorted(PRESETS)}, got {model!r}")
-        return lambda: load_model(model, size="tiny", seed=seed)
+        from .naming import resolve
+
+        ref = resolve(model)  # a preset by name or hub id; ValueError for an unknown name
+        if ref.preset is None:
+            raise ValueError(
+                f"model_fn={model!r} is a config ({ref.class_name}): compare runs real tensors, and a config has one "
+                "size, its own (a released model's is tens of GB). Pass a preset, which compare builds tiny, or a "
+                "callable that builds the model at the size you want"
+            )
+        return lambda: load_model(ref.preset, size="tiny", seed=seed)
     if callable(model):
         return model
     raise TypeError(f"model_fn must be a preset name ({sorted(PRESETS)}) or a callable returning a model")

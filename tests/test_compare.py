@@ -209,5 +209,17 @@ def test_variant_and_step_errors_name_the_argument():
         memkit.Variant(check=1)
     with pytest.raises(ValueError, match="tolerance must be > 0"):
         memkit.compare("flux", {}, tolerance=0)
-    with pytest.raises(ValueError, match="model_fn must be a callable or one of the presets"):
+    with pytest.raises(ValueError, match=r"unknown model 'fluxx'.*did you mean flux\?"):
         memkit.compare("fluxx", {})
+
+
+def test_compare_takes_a_preset_by_its_hub_id_and_refuses_a_config(tmp_path):
+    import json
+
+    cmp = memkit.compare("facebook/DiT-XL-2-256", {}, repeats=0, progress=False)  # the dit preset, tiny, offline
+    tiny_dit = sum(p.numel() * 4 for p in memkit.load_model("dit").parameters())  # fp32 bytes
+    assert cmp.results["baseline"].timeline.baseline_by_category["parameter"] == tiny_dit
+    config = {"_class_name": "DiTTransformer2DModel", **memkit.PRESETS["dit"].configs["tiny"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="compare runs real tensors, and a config has one size"):
+        memkit.compare(str(tmp_path / "config.json"), {})
