@@ -117,6 +117,12 @@ class Playground:
             options=[("none", None), "bf16", "fp16"], value=s.mixed_precision, description="mixed prec."
         )
         c["fused_backward"] = widgets.Checkbox(value=s.fused_backward, description="fused backward", indent=False)
+        c["optimizer_on"] = widgets.ToggleButtons(
+            options=[("device", "device"), ("CPU", "cpu")], value=s.optimizer_on, description="optimizer on"
+        )
+        c["offload_gradients"] = widgets.Checkbox(
+            value=s.offload_gradients, description="offload gradients", indent=False
+        )
         c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
         c["variants"] = widgets.ToggleButtons(options=list(VARIANT_MODES), value=s.variants, description="variants")
         tips = {
@@ -135,6 +141,10 @@ class Playground:
             "the trained weights must be float32 (pick dtype float32, or LoRA's fp32 adapters on a lower base)",
             "fused_backward": "training: each parameter updated and its gradient freed in the backward, as soon as "
             "it is accumulated (no full set of gradients at once); not with grad accum > 1 or fp16",
+            "optimizer_on": "training: CPU keeps the optimizer's state in CPU memory and steps it there (torchao's "
+            "CPUOffloadOptimizer): off the estimate's GPU timeline; not with fused backward",
+            "offload_gradients": "with the optimizer on the CPU: each device gradient freed once copied to the host "
+            "(torchao's offload_gradients); not with grad accum > 1",
             "repeats": "Run: untracked steps per variant timed for the 'step (s)' column (0: no timing)",
             "variants": "together: one variant with every enabled optimization; each: one variant per optimization",
         }
@@ -167,7 +177,7 @@ class Playground:
             c[key].layout.display = None if key in taken else "none"
             if key in taken:
                 c[key].placeholder = f"{run_sizes[key]} (run), {full_sizes.get(key, '?')} (estimate)"
-        for key in ("optimizer", "grad_accum", "fused_backward"):
+        for key in ("optimizer", "grad_accum", "fused_backward", "optimizer_on", "offload_gradients"):
             c[key].disabled = s.mode != "training"
 
     def _build_actions(self) -> None:
@@ -189,7 +199,7 @@ class Playground:
         c = self.controls
         order = [
             "preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "optimizer", "steps",
-            "grad_accum", "mixed_precision", "fused_backward", "repeats",
+            "grad_accum", "mixed_precision", "fused_backward", "optimizer_on", "offload_gradients", "repeats",
         ]  # fmt: skip
         grid = widgets.GridBox([c[k] for k in order], layout=widgets.Layout(grid_template_columns=_GRID))
         self.panel_grid = widgets.GridBox(
