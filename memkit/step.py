@@ -281,7 +281,7 @@ class Step:
     def _check_optimizer_on(self) -> None:
         if self.optimizer_on not in OPTIMIZER_ON:
             raise ValueError(f"optimizer_on must be one of {list(OPTIMIZER_ON)}, got {self.optimizer_on!r}")
-        if self.offload_gradients not in (True, False):
+        if not isinstance(self.offload_gradients, bool):
             raise ValueError(f"offload_gradients must be True or False, got {self.offload_gradients!r}")
         if self.offload_gradients and self.optimizer_on != "cpu":
             raise ValueError(
