@@ -3,6 +3,10 @@ sees an op's outputs, not what its kernel allocates inside) and under fake tenso
 
 :func:`seen` gives a library class a step that, while a tracker is active, runs under :class:`_StepMode`; a plain
 run is the library's own step. What each adaptation does and why is in :mod:`memkit.optimizers`' docstring.
+
+:func:`cpu_offload` builds torchao's ``CPUOffloadOptimizer`` (``Step(optimizer_on="cpu")``) and runs its code on CPU
+tensors through :func:`without_cuda`, a stand-in for the CUDA streams, events and pinned memory it asks for, in place
+only while torchao's own code runs.
 """
 
 from __future__ import annotations
@@ -178,10 +182,11 @@ def _fake_without_value(t: Any) -> bool:
 # torchao's class asserts a CUDA/XPU device, makes a side stream, records events, pins its host copies and calls
 # ``record_stream``. On CPU tensors (a real CPU run, or an estimate's fake tensors standing for CUDA ones) there is one
 # stream and no pinned allocator: while torchao's own code runs (construction, each backward hook, the step), its
-# module sees a ``torch`` whose ``cuda`` is :class:`_OneStream`'s namespace and whose ``empty_like`` leaves out
-# ``pin_memory``, ``get_available_devices`` answers ``cuda``, and ``Tensor.record_stream`` does nothing. Copies on one
-# CPU stream are done when they return, so every ``non_blocking`` copy torchao makes has finished when it reads it:
-# the values and the bytes are its own. All restored on leaving, also on an error.
+# module sees a ``torch`` (:class:`_Torch`) whose ``cuda`` has one stream (:class:`_OneStream`) and whose
+# ``empty_like`` leaves out ``pin_memory``, its ``get_available_devices`` answers ``cuda``, and
+# ``Tensor.record_stream`` does nothing. Copies on one CPU stream are done when they return, so every ``non_blocking``
+# copy torchao makes has finished when it reads it: the values and the bytes are its own. All restored on leaving,
+# also on an error.
 
 
 class _Event:
@@ -272,13 +277,13 @@ def _offload_class() -> type:
         def __init__(self, params, optimizer_class, **kwargs):
             params = list(params)
             self._on_cpu = not any(p.device.type in ("cuda", "xpu") for p in params)
-            self.hooks: list[Any] = []
+            self.grad_hooks: list[Any] = []
             register = torch.Tensor.register_post_accumulate_grad_hook
             outer = self
 
             def keep(tensor, hook):  # each hook torchao registers: its handle kept, its run adapted
                 handle = register(tensor, functools.partial(outer._backward_hook, hook))
-                outer.hooks.append(handle)
+                outer.grad_hooks.append(handle)
                 return handle
 
             torch.Tensor.register_post_accumulate_grad_hook = keep
@@ -324,9 +329,9 @@ def _offload_class() -> type:
 
         def remove(self) -> None:
             """Take torchao's gradient hooks off the model's parameters (torchao keeps no handle of them)."""
-            for h in self.hooks:
+            for h in self.grad_hooks:
                 h.remove()
-            self.hooks = []
+            self.grad_hooks = []
 
     CPUOffloadOptimizer.__qualname__ = "CPUOffloadOptimizer"
     return CPUOffloadOptimizer
