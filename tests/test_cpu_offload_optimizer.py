@@ -6,6 +6,9 @@ after every use, also after an error."""
 from __future__ import annotations
 
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ import memkit
 from memkit.cli import main
 from memkit.handle import apply_all
 from memkit.memory.events import CUDA_BLOCK, round_alloc
-from memkit.optimizers import OPTIMIZERS, make_optimizer
+from memkit.optimizers import OPTIMIZERS, MissingLibraryError, make_optimizer
 from memkit.step import model_output
 
 pytest.importorskip("bitsandbytes")
@@ -268,6 +271,16 @@ def test_fsdp_and_foreach_are_refused_naming_the_argument():
         make_optimizer("adamw", Wide().parameters(), on="gpu")
 
 
+def test_a_missing_torchao_names_the_option_the_package_and_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchao.optim.cpu_offload", None)  # import fails as if not installed
+    message = r"optimizer_on='cpu' needs torchao.*pip install \"memkit\[finetune\]\""
+    with pytest.raises(MissingLibraryError, match=message):
+        memkit.Step(optimizer="adamw", optimizer_on="cpu").bind(Wide(width=64, depth=1))
+    assert main(["estimate", "flux", "--size", "tiny", "--optimizer-on", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "memkit[finetune]" in err and "Traceback" not in err
+
+
 def test_a_failed_setup_leaves_the_model_unchanged_and_the_stand_in_undone(monkeypatch):
     model = Wide(width=64, depth=3)
     made = []
@@ -342,3 +355,21 @@ def test_the_playground_controls_reach_the_step_and_the_estimate():
     assert base.meta["optimizer_on"] == "cpu" and base.meta["offload_gradients"]
     tl = memkit.estimate("dit", size="tiny", optimizer_on="cpu", offload_gradients=True, progress=False)
     assert base.peak_bytes == tl.peak_bytes and base.meta["host_bytes"] == tl.meta["host_bytes"]
+
+
+@pytest.mark.slow  # five full-size Flux estimates, three of them every block: ~70 s
+def test_the_readme_table_is_what_the_estimates_say(capsys):
+    # each row's command, run: its steady-step peak (allocated, "cuda"; the larger here) and host bytes as printed
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text[text.index("| recipe (`memkit estimate flux ...`) | GPU peak") :].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == 5
+    for row in table:
+        command, peak, host = re.fullmatch(
+            r"\| .*\(`(memkit estimate [^`]+)`\) \| ([\d.]+) GiB \| ([\d.]+) GiB \|", row
+        ).groups()
+        assert main([*command.split()[1:], "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["measured"] == "first and steady" and out["peak_bytes"] == out["steady_peak_bytes"], row
+        assert f"{out['peak_bytes'] / 2**30:.2f}" == peak, row
+        assert f"{sum(out['host_bytes'].values()) / 2**30:.2f}" == host, row
+        assert set(out["host_bytes"]) == ({"parameter", "gradient", "optimizer_state"} if "cpu" in command else set())
