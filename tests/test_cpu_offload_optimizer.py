@@ -373,3 +373,14 @@ def test_the_readme_table_is_what_the_estimates_say(capsys):
         assert f"{out['peak_bytes'] / 2**30:.2f}" == peak, row
         assert f"{sum(out['host_bytes'].values()) / 2**30:.2f}" == host, row
         assert set(out["host_bytes"]) == ({"parameter", "gradient", "optimizer_state"} if "cpu" in command else set())
+
+
+def test_compare_holds_the_cpu_optimizer_against_the_device_one_and_takes_its_hooks_off():
+    shared = Wide(width=64, depth=2)
+    x = {"x": torch.randn(8, 64)}
+    result = memkit.compare(
+        lambda: shared, {"on cpu": memkit.Variant(step=memkit.Step(optimizer="adamw", optimizer_on="cpu"))},
+        step=memkit.Step(optimizer="adamw"), inputs=x, repeats=0, progress=False,
+    )  # fmt: skip
+    assert result.results["on cpu"].passed
+    assert hooks_of(shared) == 0
