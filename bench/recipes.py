@@ -1,12 +1,14 @@
 """Full-size estimates of the fine-tuning recipes people run, each as a ratio to the full fine-tune's in the same run.
 
 Full FLUX.1-dev (11.9B), bf16, ``device="cuda"``, first and steady step (the defaults): the full fine-tune with
-AdamW, then LoRA (peft, rank 16, the diffusers script's default targets), + 8-bit AdamW (bitsandbytes), +
-checkpointing, and DoRA. Each recipe is estimated twice in one process: the first call (its fake dispatch partly
+AdamW, the same with AdamW on the CPU (torchao's ``CPUOffloadOptimizer``, ``optimizer_on="cpu"``: every block runs),
+then LoRA (peft, rank 16, the diffusers script's default targets), + 8-bit AdamW (bitsandbytes), + checkpointing,
+and DoRA. Each recipe is estimated twice in one process: the first call (its fake dispatch partly
 learned by the recipes before it: the order below) and a repeat of the same call (the process's result cache).
 ``vs full`` is the full fine-tune's first-call seconds over the recipe's (above 1: faster). The peak is the one a
 user reads (steady or first step, whichever is larger; allocated bytes); ``memoized`` says whether the probe of
-four blocks per list was spliced (see ``memkit.estimate``'s ``memoize``).
+four blocks per list was spliced (see ``memkit.estimate``'s ``memoize``); ``host`` is what the recipe keeps in CPU
+memory, off the GPU peak (``meta["host_bytes"]``, summed).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def _recipes() -> dict[str, dict]:
     lora = memkit.LoRA(rank=16)
     return {
         "full fine-tune (adamw)": dict(optimizer="adamw"),
+        "full fine-tune (adamw on the CPU)": dict(optimizer="adamw", optimizer_on="cpu"),
         "LoRA r16 (adamw)": dict(optimizer="adamw", optimizations=[lora]),
         "LoRA r16 + adamw8bit": dict(optimizer="adamw8bit", optimizations=[lora]),
         "LoRA r16 + adamw8bit + checkpointing": dict(
@@ -53,6 +56,7 @@ def run(quick: bool) -> Section:
                 "vs full": base / first,
                 "again (s)": again,
                 "peak (GiB)": tl.peak_bytes / 2**30,
+                "host (GiB)": sum(tl.meta["host_bytes"].values()) / 2**30,
                 "measured at": "steady" if tl.peak_bytes == tl.meta["steady_peak_bytes"] else "first",
                 "trainable": f"{tl.meta['trainable_parameters']:,}",
                 "memoized": tl.meta["memoized"],

@@ -9,9 +9,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -36,3 +38,28 @@ def lazy_exports(
         return sorted({*vars(module), *public})
 
     return __getattr__, __dir__
+
+
+# Loggers whose import-time lines do not concern memkit on a CPU build with torchao installed: torchao's CUDA
+# kernels do not load, torch notes two Enums torchao registers, diffusers misses Tensor classes torchao 0.16 renamed.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer")
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Import inside without the warnings the loggers of :data:`_IMPORT_NOISE` log while torchao is first imported
+    (by memkit's CPU optimizer, or by diffusers when a model class is first read); errors still show.
+
+    Example:
+        >>> with quiet_imports():
+        ...     cls = getattr(diffusers, "FluxTransformer2DModel")
+    """
+    loggers = [logging.getLogger(n) for n in _IMPORT_NOISE]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

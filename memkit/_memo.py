@@ -89,6 +89,10 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -
     if step is not None and getattr(step, "mixed_precision", None) is not None:
         # autocast frees its cast cache (every block's weight copies) when the forward ends, outside the blocks
         return f"mixed_precision={step.mixed_precision!r} frees its cast cache of every block at once"
+    if step is not None and getattr(step, "optimizer_on", "device") != "device":
+        # one host optimizer per parameter, stepped after the backward in the order the gradients came (torchao's
+        # queue), with host copies and state off the device: not a sum of identical blocks' events
+        return f"optimizer_on={step.optimizer_on!r} steps one optimizer per parameter, in host memory"
     from .optimizations.checkpointing import Checkpointing
     from .optimizations.feedforward import FFSplit
     from .optimizations.lora import LoRA
@@ -162,14 +166,12 @@ def probe_builder(preset, size: str, dtype: torch.dtype, seed: int):
     import dataclasses
     import inspect
 
-    from .models import _build
+    from .models import _build, diffusers_class
 
     keys = _LAYER_KEYS.get(preset.model_class)
     if keys is None:
         return None
-    import diffusers
-
-    cls = getattr(diffusers, preset.model_class)
+    cls = diffusers_class(preset.model_class)
     defaults = inspect.signature(cls.__init__).parameters
     config = dict(preset.configs[size])
     lengths = {}

@@ -96,6 +96,8 @@ def estimate(
     grad_accum: int = 1,
     mixed_precision: str | None = None,
     fused_backward: bool = False,
+    optimizer_on: str = "device",
+    offload_gradients: bool = False,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -135,6 +137,12 @@ def estimate(
             CUDA's op list differs, ``memkit._precision`` says), fp16 with a gradient scaler. None: pure ``dtype``.
         fused_backward: update each parameter and free its gradient in the backward
             (:attr:`memkit.Step.fused_backward`).
+        optimizer_on: ``"device"`` (default) or ``"cpu"``: torchao's ``CPUOffloadOptimizer``
+            (:attr:`memkit.Step.optimizer_on`); in an estimate for ``"cuda"`` its host copies of the parameters and
+            gradients, the optimizers' state and their step's temporaries are in ``meta["host_bytes"]``
+            (``"parameter"``, ``"gradient"``, ``"optimizer_state"``, ``"temporary"``), off the device timeline.
+        offload_gradients: with ``optimizer_on="cpu"``, each device gradient freed once copied to the host
+            (:attr:`memkit.Step.offload_gradients`).
         device: the device being estimated: ``"cuda"`` (default: adds the CUDA allocator's 512-byte rounding,
             drops CPU-only kernel buffers, and uses foreach optimizers as torch does on CUDA, except for an
             optimizer FSDP's CPU offload runs on the CPU) or ``"cpu"`` (CPU kernels' own buffers, learned once
@@ -178,6 +186,8 @@ def estimate(
         grad_accum=grad_accum,
         mixed_precision=mixed_precision,
         fused_backward=fused_backward,
+        optimizer_on=optimizer_on,
+        offload_gradients=offload_gradients,
     )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -221,6 +231,11 @@ def estimate(
     optimizations, parallel = split_parallel(optimizations, parallel)
     if parallel is not None:
         refuse_group_offload(optimizations)
+        if step.optimizer_on == "cpu":
+            raise ValueError(
+                "optimizer_on='cpu' (torchao's CPUOffloadOptimizer) is single-GPU: it refuses FSDP; FSDP's own "
+                "memkit.FSDP(cpu_offload=True) keeps the shards and the optimizer in CPU memory"
+            )
 
     t0 = time.perf_counter()
     key = _cache_key(
@@ -239,7 +254,8 @@ def estimate(
     cuda = device == "cuda"
     # torch's default on CUDA; with FSDP's CPU offload the optimizer steps on CPU tensors, where its default is the
     # per-parameter loop (what estimating on CPU tensors gives by itself)
-    host_optimizer = parallel is not None and parallel.cpu_offload
+    # (torchao's CPUOffloadOptimizer: CPU defaults on the host, its own choices on the device, in _optimizer_adapters)
+    host_optimizer = (parallel is not None and parallel.cpu_offload) or step.optimizer_on == "cpu"
     if step.foreach is None and cuda and step.optimizer is not None and not host_optimizer:
         step = dataclasses.replace(step, foreach=True)
     if progress is None:
@@ -286,6 +302,8 @@ def estimate(
         grad_accum=step.grad_accum,
         mixed_precision=step.mixed_precision,
         fused_backward=step.fused_backward,
+        optimizer_on=step.optimizer_on,
+        offload_gradients=step.offload_gradients,
         measured=step.measured,
         step_starts=starts,
         first_step_peak_bytes=first,

@@ -35,6 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from ._lazy import quiet_imports
 from .presets import PRESETS, SIZES, Preset, _Maker
 
 __all__ = ["load_model", "make_inputs", "preset_of"]
@@ -130,8 +131,19 @@ def config_preset(ref) -> Preset:
     return replace(base, configs=configs, input_sizes=sizes, description=f"{ref.source} ({ref.class_name})")
 
 
+def diffusers_class(name: str) -> type | None:
+    """diffusers' class ``name`` (None where this diffusers has none), its module imported quietly: diffusers imports
+    torchao with its quantizers when torchao is installed (:func:`memkit._lazy.quiet_imports`).
+
+    Example:
+        >>> diffusers_class("FluxTransformer2DModel")
+    """
+    with quiet_imports():
+        return getattr(diffusers, name, None)
+
+
 def _build(preset: Preset, size: str, dtype: torch.dtype, seed: int, device: torch.device) -> torch.nn.Module:
-    cls = getattr(diffusers, preset.model_class, None)
+    cls = diffusers_class(preset.model_class)
     if cls is None:  # a diffusers older than the one the preset's model arrived in
         raise RuntimeError(
             f"preset {preset.name!r} needs diffusers' {preset.model_class}, which diffusers {diffusers.__version__} "
@@ -180,7 +192,7 @@ def _load_folder(path: Path, dtype: torch.dtype, device: torch.device) -> torch.
     # CPU tensors off the allocator's alignment, which moves outputs by ~1e-7 from the model that was saved.
     config_file = path / "config.json"
     class_name = json.loads(config_file.read_text()).get("_class_name") if config_file.is_file() else None
-    cls = getattr(diffusers, class_name, None) if isinstance(class_name, str) else None
+    cls = diffusers_class(class_name) if isinstance(class_name, str) else None
     if cls is None:
         raise ValueError(f"{path} holds no diffusers config.json with a known _class_name (got {class_name!r})")
     index = path / "diffusion_pytorch_model.safetensors.index.json"

@@ -118,10 +118,12 @@ def _from_config_file(path: Path, source: str) -> ModelRef:
 def _from_config(config: Mapping[str, Any], source: str, where: str) -> ModelRef:
     import diffusers
 
+    from .models import diffusers_class
+
     class_name = config.get("_class_name")
     if not isinstance(class_name, str):
         raise ValueError(f"{where} has no _class_name: not a diffusers model config.json")
-    if getattr(diffusers, class_name, None) is None:
+    if diffusers_class(class_name) is None:
         wrote = config.get("_diffusers_version")
         raise ValueError(
             f"{where} is a {class_name}, which diffusers {diffusers.__version__} does not have"
@@ -239,12 +241,13 @@ def preset_parameters(name: str) -> int:
     Example:
         >>> preset_parameters("flux")                                  # 11_901_408_320
     """
-    import diffusers
     import torch
+
+    from .models import diffusers_class
 
     preset = PRESETS[name]
     with torch.device("meta"):
-        model = getattr(diffusers, preset.model_class)(**preset.configs["full"])
+        model = diffusers_class(preset.model_class)(**preset.configs["full"])
     return sum(p.numel() for p in model.parameters())
 
 

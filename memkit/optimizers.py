@@ -38,6 +38,21 @@ library's step hides them or cannot run on fake tensors, memkit adapts how it is
   answers 1 (True). Values steer no allocation there except ``p.any()``: Prodigy keeps a 0-dim ``p0`` for an
   all-zero parameter, which a trained model has none of (nor memkit's presets: ``load_model`` fills them).
 
+Where the optimizer runs (``Step(optimizer_on="cpu")``, ``make_optimizer(..., on="cpu")``): torchao's own
+``CPUOffloadOptimizer`` wraps any of the names above. For each trainable parameter of 4,096 elements or more it makes
+a pinned host copy and a host gradient buffer (each the parameter's bytes) and one optimizer of that name over the
+copy, which keeps its state and steps in CPU memory; the smaller parameters share one optimizer on the device. The
+backward copies each gradient to the host as it is accumulated (``offload_gradients=True`` frees the device's
+then); the step updates the host copies and copies them back. On the device that removes the state of the offloaded
+parameters and, with ``offload_gradients``, their gradients after the backward; in host memory it adds the copies,
+gradients, state and the update's CPU temporaries (an estimate for ``"cuda"`` reports them in
+``timeline.meta["host_bytes"]``). torchao runs AdamW fused (host and device); the others run their CPU default on the
+host (a loop per parameter) and their device default on the device (``foreach`` reaches that one). What the
+per-parameter optimizers change: bitsandbytes' 8-bit ones keep two 1 KiB quantization maps per offloaded parameter,
+a paged one pages nothing (its state is host memory already), and Prodigy estimates its step size ``d`` per
+parameter instead of per group (values, not memory). Without CUDA (this machine; an estimate's fake tensors)
+torchao's streams, events and pinned memory are stood in for while its code runs (``_optimizer_adapters.py``).
+
 The optional libraries are the ``finetune`` extra (``pip install "memkit[finetune]"``), imported when an
 optimizer that needs one is built; missing, the error names the optimizer, the package and the extra.
 
@@ -51,16 +66,29 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from ._lazy import quiet_imports
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXTRA", "OPTIMIZERS", "MissingLibraryError", "OptimizerName", "make_optimizer"]
+__all__ = [
+    "EXTRA",
+    "OPTIMIZERS",
+    "OPTIMIZER_ON",
+    "MissingLibraryError",
+    "OptimizerName",
+    "OptimizerOn",
+    "build_optimizer",
+    "make_optimizer",
+]
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "prodigy", "came", "lion")
 OptimizerName = Literal["adamw", "adam", "sgd", "adamw8bit", "paged-adamw8bit", "adafactor", "prodigy", "came", "lion"]
 EXTRA = "finetune"
+OPTIMIZER_ON = ("device", "cpu")
+OptimizerOn = Literal["device", "cpu"]
 
 # name -> (module to import, its pip package); the torch optimizers need none
 _LIBRARIES = {
@@ -69,6 +97,7 @@ _LIBRARIES = {
     "lion": ("bitsandbytes", "bitsandbytes"),
     "prodigy": ("prodigyopt", "prodigyopt"),
     "came": ("came_pytorch", "came-pytorch"),
+    "cpu": ("torchao.optim.cpu_offload", "torchao"),  # optimizer_on="cpu": torchao's CPUOffloadOptimizer
 }
 
 
@@ -83,16 +112,23 @@ class MissingLibraryError(ImportError):
 def _import(name: str):
     module, package = _LIBRARIES[name]
     try:
-        return importlib.import_module(module)
+        with quiet_imports():
+            return importlib.import_module(module)
     except ImportError as e:
+        what = "optimizer_on='cpu'" if name == "cpu" else f"optimizer={name!r}"
         raise MissingLibraryError(
-            f"optimizer={name!r} needs {package}, which is not installed (importing {module} failed: {e}); "
+            f"{what} needs {package}, which is not installed (importing {module} failed: {e}); "
             f'install the {EXTRA} extra: pip install "memkit[{EXTRA}]"'
         ) from e
 
 
 def make_optimizer(
-    name: str | None, params: Iterable[torch.Tensor], *, foreach: bool | None = None
+    name: str | None,
+    params: Iterable[torch.Tensor],
+    *,
+    foreach: bool | None = None,
+    on: OptimizerOn = "device",
+    offload_gradients: bool = False,
 ) -> torch.optim.Optimizer | None:
     """The optimizer ``name`` (one of :data:`OPTIMIZERS`) over the ``params`` that require grad; None for None.
 
@@ -100,18 +136,44 @@ def make_optimizer(
     reaches the torch optimizers (AdamW, Adam, SGD, Adafactor), the others have no such switch. The optional
     libraries are imported here: a missing one raises :class:`MissingLibraryError` (an ImportError).
 
+    ``on="cpu"`` wraps it in torchao's ``CPUOffloadOptimizer`` (any name; the ``finetune`` extra):
+    one optimizer of that class per parameter of 4,096 elements or more, stepping a pinned host copy of the
+    parameter with a host copy of its gradient (``offload_gradients=True``: the device gradient freed as soon as it
+    is copied), and one on the device for the smaller ones. See :mod:`memkit._optimizer_adapters` for how it runs
+    without CUDA.
+
     Example:
         >>> opt = make_optimizer("prodigy", model.parameters())
+        >>> opt = make_optimizer("adamw", model.parameters(), on="cpu")   # torchao's CPUOffloadOptimizer
     """
     if name is None:
         return None
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)} or None, got {name!r}")
+    if on not in OPTIMIZER_ON:
+        raise ValueError(f"on must be one of {list(OPTIMIZER_ON)}, got {on!r}")
+    params = [p for p in params if p.requires_grad]
+    if on == "device":
+        if offload_gradients:
+            raise ValueError("offload_gradients=True goes with on='cpu' (torchao's CPUOffloadOptimizer)")
+        return build_optimizer(name, params, foreach=foreach)
+    from ._optimizer_adapters import cpu_offload
+
+    _import("cpu")
+    return cpu_offload(name, params, foreach=foreach, offload_gradients=offload_gradients)
+
+
+def build_optimizer(name: str, params: Iterable[Any], *, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over ``params`` (tensors or parameter groups) as they are: no filter on
+    ``requires_grad`` (torchao's host copies of the parameters require none).
+
+    Example:
+        >>> opt = build_optimizer("adamw", [{"params": [host_copy]}])
+    """
     import torch
 
     from ._optimizer_adapters import seen
 
-    params = [p for p in params if p.requires_grad]
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
     if name == "adam":

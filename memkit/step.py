@@ -27,7 +27,7 @@ from ._fused import fuse
 from ._precision import MIXED_PRECISION, MixedPrecision, Scaler, autocast_dtype, check_master_weights
 from .handle import Handle
 from .memory.recording import phase, tag
-from .optimizers import OPTIMIZERS, OptimizerName, make_optimizer
+from .optimizers import OPTIMIZER_ON, OPTIMIZERS, OptimizerName, OptimizerOn, make_optimizer
 
 __all__ = ["MODES", "OPTIMIZERS", "Step", "StepRunner", "check_inputs", "make_optimizer", "model_output", "train_step"]
 
@@ -213,6 +213,21 @@ class Step:
     the peak holds them (the update), for the same compute. It needs an optimizer, and refuses ``grad_accum > 1``
     (accumulation keeps every gradient until the last micro-batch: the very memory it frees) and
     ``mixed_precision="fp16"`` (the gradient scaler must see every gradient before any update)."""
+    optimizer_on: OptimizerOn = "device"
+    """Where the optimizer keeps its state and steps. ``"device"``: beside the parameters. ``"cpu"``: torchao's
+    ``CPUOffloadOptimizer`` (single GPU; the ``finetune`` extra): every trainable parameter of 4,096 elements or
+    more gets a pinned host copy and a host gradient buffer, its gradient is copied there in the backward (a
+    post-accumulate-grad hook), the optimizer steps the host copy on the CPU and the result is copied back. The
+    device keeps no optimizer state but that of the small parameters (stepped on the device, as torchao does): it
+    saves the state's bytes (AdamW: twice the trained weights) on the GPU for twice the trained weights' bytes of
+    host memory (copy and gradient) plus the state there, and a CPU update every step. An estimate for ``"cuda"``
+    reports the host bytes in ``timeline.meta["host_bytes"]``. Refused with ``fused_backward`` (both step in the
+    gradient hooks) and FSDP (torchao's class is single-GPU); every optimizer name runs there (what differs is in
+    :mod:`memkit.optimizers`)."""
+    offload_gradients: bool = False
+    """With ``optimizer_on="cpu"``: torchao's ``offload_gradients``, each device gradient freed as soon as its copy to
+    the host is made in the backward, so no full set of gradients lives on the device (the update reads the host
+    copies). It refuses ``grad_accum > 1`` (torchao: the host copy is overwritten, not added to, by each backward)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -258,9 +273,39 @@ class Step:
                     "fused_backward=True refuses mixed_precision='fp16': the gradient scaler must see "
                     "every gradient (to skip a step with one that is not finite) before any update"
                 )
+        self._check_optimizer_on()
         if self.grad_accum > 1 and self.mode == "inference":
             raise ValueError(
                 "grad_accum is only used in training (micro-batches of a training step); pass grad_accum=1"
+            )
+
+    def _check_optimizer_on(self) -> None:
+        if self.optimizer_on not in OPTIMIZER_ON:
+            raise ValueError(f"optimizer_on must be one of {list(OPTIMIZER_ON)}, got {self.optimizer_on!r}")
+        if not isinstance(self.offload_gradients, bool):
+            raise ValueError(f"offload_gradients must be True or False, got {self.offload_gradients!r}")
+        if self.offload_gradients and self.optimizer_on != "cpu":
+            raise ValueError(
+                "offload_gradients=True is torchao's CPUOffloadOptimizer option: it goes with optimizer_on='cpu'"
+            )
+        if self.optimizer_on == "device":
+            return
+        if not self.training or self.optimizer is None:
+            raise ValueError(
+                "optimizer_on='cpu' keeps an optimizer's state in CPU memory: it needs a training step with an "
+                "optimizer (mode='training', optimizer=...)"
+            )
+        if self.fused_backward:
+            raise ValueError(
+                "optimizer_on='cpu' refuses fused_backward=True: both run in the parameters' post-accumulate-grad "
+                "hooks (torchao's copies the gradient to the host for a step after the backward; the fused backward "
+                "steps and frees it there)"
+            )
+        if self.offload_gradients and self.grad_accum > 1:
+            raise ValueError(
+                f"offload_gradients=True refuses grad_accum={self.grad_accum}: torchao frees each device gradient "
+                "after copying it to the host, and the next micro-batch's copy overwrites the host one instead of "
+                "adding to it (torchao: 'not compatible with gradient accumulation')"
             )
 
     @property
@@ -305,7 +350,12 @@ class Step:
             raise TypeError(f"handle must be a memkit.Handle or None, got {type(handle).__name__}")
         if self.mixed_precision is not None:
             check_master_weights(model, self.mixed_precision)
-        optimizer = make_optimizer(self.optimizer, model.parameters(), foreach=self.foreach) if self.training else None
+        optimizer = None
+        if self.training:
+            optimizer = make_optimizer(
+                self.optimizer, model.parameters(), foreach=self.foreach, on=self.optimizer_on,
+                offload_gradients=self.offload_gradients,
+            )  # fmt: skip
         return StepRunner(self, model, optimizer, handle)
 
     def __str__(self) -> str:
@@ -314,6 +364,8 @@ class Step:
         extra = f", mixed {self.mixed_precision}" if self.mixed_precision else ""
         extra += f", {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
         extra += ", fused backward" if self.fused_backward else ""
+        extra += ", on the CPU" if self.optimizer_on == "cpu" else ""
+        extra += ", gradients offloaded" if self.offload_gradients else ""
         return f"training ({self.optimizer or 'no optimizer'}{extra})"
 
 
@@ -404,18 +456,27 @@ class StepRunner:
         return loss
 
     def remove(self) -> None:
-        """Take the fused backward's hooks off the model's parameters (nothing else to undo)."""
+        """Take the fused backward's hooks, or the CPU optimizer's, off the model's parameters (nothing else to
+        undo)."""
         for h in self.fused:
             h.remove()
         self.fused = []
+        if hasattr(self.optimizer, "host_tensors"):  # torchao's CPUOffloadOptimizer (optimizer_on="cpu")
+            self.optimizer.remove()
 
     def tracked_objects(self) -> dict[str, Any]:
         """What ``memkit.track`` needs to count this runner's memory from the start: the model, its
         optimizer and the memory the optimizations own."""
         owned = self.handle
+        extra = {}
         if self.scaler is not None and self.scaler.state_tensors():  # its scale, made by the first step
+            extra["optimizer_state"] = self.scaler.state_tensors()
+        if hasattr(self.optimizer, "host_tensors"):  # the parameters' and gradients' copies CPU offload made
+            extra.update(self.optimizer.host_tensors())
+        if extra:
             owned = dict(self.handle.owned()) if self.handle is not None else {}
-            owned["optimizer_state"] = [*owned.get("optimizer_state", []), *self.scaler.state_tensors()]
+            for category, tensors in extra.items():
+                owned[category] = [*owned.get(category, []), *tensors]
         return {"model": self.model, "optimizer": self.optimizer, "owned": owned}
 
     def __repr__(self) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import memkit
 
-from ..optimizers import OPTIMIZERS
+from ..optimizers import OPTIMIZER_ON, OPTIMIZERS
 from ..units import UNITS
 from ._common import DTYPE_NAMES, SIZE_FLAGS, CLIError, machine_info
 
@@ -117,6 +117,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
         "  memkit estimate flux --grad-accum 4           # 4 micro-batches per optimizer step\n"
         "  memkit estimate flux --mixed-precision bf16   # fp32 weights and AdamW, bf16 autocast\n"
+        "  memkit estimate flux --optimizer-on cpu       # AdamW's state and step in CPU memory (torchao)\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n"
         "  memkit estimate Wan-AI/Wan2.1-T2V-14B-Diffusers   # a preset by its hub id, offline\n"
         "  memkit estimate path/to/transformer/config.json   # any config of a class memkit feeds\n\n"
@@ -188,6 +189,21 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="update each parameter and free its gradient in the backward (a fused back pass): no full set of "
         "gradients ever lives; refuses --grad-accum N > 1",
+    )
+    recipe.add_argument(
+        "--optimizer-on",
+        choices=OPTIMIZER_ON,
+        default="device",
+        help="where the optimizer keeps its state and steps: cpu is torchao's CPUOffloadOptimizer (pinned host "
+        "copies of the parameters and gradients, the state and the update in CPU memory; parameters under 4,096 "
+        "elements stay on the device), its bytes reported apart as in CPU memory; refuses --fused-backward and "
+        "--fsdp; needs the finetune extra",
+    )
+    recipe.add_argument(
+        "--offload-gradients",
+        action="store_true",
+        help="with --optimizer-on cpu: free each device gradient once it is copied to the host (torchao's "
+        "offload_gradients); refuses --grad-accum N > 1",
     )
     for key, unit in SIZE_FLAGS.items():
         p.add_argument(

@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(
             "--grad-accum applies to training only (micro-batches of a training step); drop it or --inference"
         )
+    if args.optimizer_on != "device" and not (training and optimizer):
+        raise CLIError(f"--optimizer-on {args.optimizer_on} needs a training step with an optimizer")
+    if args.offload_gradients and args.optimizer_on != "cpu":
+        raise CLIError("--offload-gradients goes with --optimizer-on cpu (torchao's CPUOffloadOptimizer option)")
     check_writable(args.html)
     check_writable(args.png)
     settings = dict(
@@ -133,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum,
         mixed_precision=args.mixed_precision,
         fused_backward=args.fused_backward,
+        optimizer_on=args.optimizer_on,
+        offload_gradients=args.offload_gradients,
         **sizes,
     )
     plan = None
@@ -163,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         "grad_accum": args.grad_accum,
         "mixed_precision": args.mixed_precision,
         "fused_backward": args.fused_backward,
+        "optimizer_on": args.optimizer_on,
+        "offload_gradients": args.offload_gradients,
         "measured": meta["measured"],
         "bytes": meta["bytes"],
         "batch_size": args.batch_size,
@@ -211,11 +219,14 @@ def run(args: argparse.Namespace) -> int:
     inputs += [f"{shape['frames']} frames"] if "frames" in shape else []
     inputs += [f"{shape['text_len']} text tokens"] if "text_len" in shape else []
     inputs = ", ".join(inputs)
+    where = ""
+    if args.optimizer_on == "cpu":
+        where = " on the CPU, gradients offloaded" if args.offload_gradients else " on the CPU"
     print(
         f"memkit estimate: {args.preset} ({args.size}), {args.mode}, {meta['dtype']}"
         + (f" (mixed {args.mixed_precision})" if args.mixed_precision else "")
         + ", "
-        f"optimizer {optimizer or 'none'}, device {args.device}, batch {args.batch_size}"
+        f"optimizer {optimizer or 'none'}{where}, device {args.device}, batch {args.batch_size}"
         + (f" x {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
         + f", {inputs}"
     )

@@ -124,6 +124,12 @@ class Playground:
             options=[("none", None), "bf16", "fp16"], value=s.mixed_precision, description="mixed prec."
         )
         c["fused_backward"] = widgets.Checkbox(value=s.fused_backward, description="fused backward", indent=False)
+        c["optimizer_on"] = widgets.ToggleButtons(
+            options=[("device", "device"), ("CPU", "cpu")], value=s.optimizer_on, description="optimizer on"
+        )
+        c["offload_gradients"] = widgets.Checkbox(
+            value=s.offload_gradients, description="offload gradients", indent=False
+        )
         c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
         c["variants"] = widgets.ToggleButtons(options=list(VARIANT_MODES), value=s.variants, description="variants")
         tips = {
@@ -142,6 +148,10 @@ class Playground:
             "the trained weights must be float32 (pick dtype float32, or LoRA's fp32 adapters on a lower base)",
             "fused_backward": "training: each parameter updated and its gradient freed in the backward, as soon as "
             "it is accumulated (no full set of gradients at once); not with grad accum > 1 or fp16",
+            "optimizer_on": "training: CPU keeps the optimizer's state in CPU memory and steps it there (torchao's "
+            "CPUOffloadOptimizer): off the estimate's GPU timeline; not with fused backward",
+            "offload_gradients": "with the optimizer on the CPU: each device gradient freed once copied to the host "
+            "(torchao's offload_gradients); not with grad accum > 1",
             "repeats": "Run: untracked steps per variant timed for the 'step (s)' column (0: no timing)",
             "variants": "together: one variant with every enabled optimization; each: one variant per optimization",
         }
@@ -174,7 +184,7 @@ class Playground:
             c[key].layout.display = None if key in taken else "none"
             if key in taken:
                 c[key].placeholder = f"{run_sizes[key]} (run), {full_sizes.get(key, '?')} (estimate)"
-        for key in ("optimizer", "grad_accum", "fused_backward"):
+        for key in ("optimizer", "grad_accum", "fused_backward", "optimizer_on", "offload_gradients"):
             c[key].disabled = s.mode != "training"
 
     def _build_actions(self) -> None:
@@ -201,7 +211,8 @@ class Playground:
         # Fine-tuning: the training recipe, and the registry's entries that change what is trained (LoRA)
         tuning = [n for n in self.panels if REGISTRY[n].section == "fine-tuning"]
         self.finetuning_grid = widgets.GridBox(
-            [c[k] for k in ("optimizer", "grad_accum", "mixed_precision", "fused_backward")]
+            [c[k] for k in ("optimizer", "grad_accum", "mixed_precision", "fused_backward", "optimizer_on")]
+            + [c["offload_gradients"]]
             + [self.panels[n].view for n in tuning],
             layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px"),
         )

@@ -95,6 +95,8 @@ class PlaygroundState:
         grad_accum: int = 1,
         mixed_precision: Literal["bf16", "fp16"] | None = None,
         fused_backward: bool = False,
+        optimizer_on: Literal["device", "cpu"] = "device",
+        offload_gradients: bool = False,
         repeats: int = 2,
         variants: Literal["together", "each"] = "together",
         seed: int = 0,
@@ -108,6 +110,7 @@ class PlaygroundState:
         self.preset, self.size, self.dtype, self.batch_size = preset, size, dtype, batch_size
         self.mode, self.optimizer, self.steps, self.repeats = mode, optimizer, steps, repeats
         self.grad_accum, self.mixed_precision, self.fused_backward = grad_accum, mixed_precision, fused_backward
+        self.optimizer_on, self.offload_gradients = optimizer_on, offload_gradients
         self.variants, self.seed, self.tolerance = variants, seed, tolerance
         self.estimate_size, self.interval = estimate_size, interval
         self.sizes: dict[str, int | None] = dict.fromkeys(INPUT_SIZES)
@@ -144,7 +147,8 @@ class PlaygroundState:
 
         training = self.mode == "training"
         # steps say which training step is measured; an inference pass is always one alike. The recipe options
-        # (memkit.Step's grad_accum, mixed_precision, fused_backward) are training's, but autocast's forward
+        # (memkit.Step's grad_accum, mixed_precision, fused_backward, optimizer_on, offload_gradients) are training's,
+        # but autocast's forward; the optimizer's place only with an optimizer
         return Step(
             mode=self.mode,
             optimizer=self.optimizer if training else None,
@@ -152,6 +156,8 @@ class PlaygroundState:
             grad_accum=self.grad_accum if training else 1,
             mixed_precision=self.mixed_precision,
             fused_backward=self.fused_backward if training else False,
+            optimizer_on=self.optimizer_on if training and self.optimizer is not None else "device",
+            offload_gradients=self.offload_gradients if training and self.optimizer is not None else False,
         )
 
     def configs(self) -> list[Any]:
@@ -279,12 +285,11 @@ class PlaygroundState:
     def _import_model_class(self) -> None:
         # diffusers imports a model's module on first use, running a few ops; a stop raised inside that import
         # would leave the module broken for the rest of the session, so it is imported before anything can stop.
-        import diffusers
-
+        from ..models import diffusers_class
         from ..presets import PRESETS
 
         if self.preset in PRESETS:
-            getattr(diffusers, PRESETS[self.preset].model_class)
+            diffusers_class(PRESETS[self.preset].model_class)
 
     def _compare(self, progress: _Progress, stop: Callable[[], bool], live: _Live) -> Any:
         from ..comparison import compare
