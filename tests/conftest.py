@@ -1,6 +1,21 @@
 import pytest
 import torch
 
+# The slow suites train every preset in many settings (offload equality over three steps, checkpointing with every
+# provider, the tracker against the profiler, every input size): minutes per preset. Their cases run in `make test`
+# (and CI) for these presets, the seven the suites were written with, one per code path they test; a slow case for
+# any other preset is marked `preset_matrix` and runs in `make test-presets`. Every preset keeps its fast contract in
+# `make test`: built at each size, shapes, gradients, parameter counts, LoRA counts against peft, its tiny estimate
+# against the tracked run, block memoization.
+CORE_PRESETS = frozenset({"flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        preset = getattr(getattr(item, "callspec", None), "params", {}).get("preset")
+        if item.get_closest_marker("slow") and isinstance(preset, str) and preset not in CORE_PRESETS:
+            item.add_marker(pytest.mark.preset_matrix)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():

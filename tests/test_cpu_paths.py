@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CORE_PRESETS
 from oracles import assert_equals_profiler, tracked_and_profiled
 
-import memkit
 from memkit.memory import track, workspace
 from memkit.memory.workspace import cpu_path as cp
 from memkit.memory.workspace import learned
@@ -28,7 +28,7 @@ from memkit.memory.workspace import learned
 pytestmark = pytest.mark.slow  # one subprocess per CPU path, every preset trained on two of them (minutes)
 
 PROBE = Path(__file__).with_name("_cpu_path_probe.py")
-ALL_PRESETS = ",".join(sorted(memkit.PRESETS))
+ALL_PRESETS = ",".join(sorted(CORE_PRESETS))  # one preset per code path: a subprocess per CPU path runs them all
 # (id, environment, presets trained): every preset on the modelled AVX2 path and on the CPU's own path;
 # attention (and one preset) on the paths between, to keep the file fast.
 RUNS = {
