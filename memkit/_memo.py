@@ -145,6 +145,11 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "SanaTransformer2DModel": {"transformer_blocks": "num_layers"},
 }
 
+# Config keys listing the layers of a block list built apart from the others, per diffusers class: SD3.5 Medium's
+# first 13 of 24 blocks (MMDiT-X) attend over the image tokens a second time. The probe marks the blocks that stand
+# for marked layers; a list whose middle layers are marked in part has no identical middle blocks.
+_MARKED_LAYERS: dict[str, dict[str, str]] = {"SD3Transformer2DModel": {"num_layers": "dual_attention_layers"}}
+
 # Models whose block lists are known but whose spliced timeline is not byte-equal to running every block; they run
 # every block, and meta["memo"] says why.
 _REFUSED: dict[str, str] = {
@@ -162,7 +167,8 @@ def refused(class_name: str) -> str | None:
 def probe_builder(preset, size: str, dtype: torch.dtype, seed: int):
     """``(build, lengths)`` for a preset: ``build()`` makes the preset at ``size`` with each block list longer than
     the probe built with :data:`PROBE` blocks (the last of them is built as the last block, as SD3 builds its own),
-    ``lengths`` maps those lists' names to their full lengths. None when the preset's lists are not known."""
+    ``lengths`` maps those lists' names to their full lengths. None when the preset's lists are not known, or when
+    some of a list's middle blocks are built apart (:data:`_MARKED_LAYERS`)."""
     import dataclasses
     import inspect
 
@@ -174,10 +180,18 @@ def probe_builder(preset, size: str, dtype: torch.dtype, seed: int):
     cls = diffusers_class(preset.model_class)
     defaults = inspect.signature(cls.__init__).parameters
     config = dict(preset.configs[size])
+    marks = _MARKED_LAYERS.get(preset.model_class, {})
     lengths = {}
     for attr, key in keys.items():
         n = config.get(key, defaults[key].default if key in defaults else None)
         if isinstance(n, int) and n > PROBE:
+            if key in marks:
+                marked = set(config.get(marks[key], defaults[marks[key]].default) or ())
+                middle = set(range(1, n - 1))
+                if marked & middle and not middle <= marked:
+                    return None
+                stands_for = [*range(PROBE - 1), n - 1]  # the probe's blocks: the first three and the last
+                config[marks[key]] = tuple(i for i, layer in enumerate(stands_for) if layer in marked)
             lengths[attr] = n
             config[key] = PROBE
     if not lengths:

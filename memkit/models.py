@@ -2,8 +2,8 @@
 and make the inputs of its forward.
 
 Every measurement in memkit needs a model and inputs of the right shapes. The presets (`memkit.presets`) build
-the diffusers classes behind Flux, SD3, LTX-Video, Wan, HunyuanVideo, CogVideoX (5b, 2b), the SD1.5 UNet,
-PixArt-Sigma and DiT from configs:
+the diffusers classes behind Flux, SD3 and SD3.5, LTX-Video, Wan 2.1 and 2.2, HunyuanVideo, CogVideoX (5b, 2b), the
+SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana and Qwen-Image from configs:
 
 - ``tiny``: two blocks and a few hundred thousand parameters, so tests run a full step in milliseconds;
 - ``small``: 30-100M parameters, enough for timings and memory curves that mean something on a laptop;
@@ -12,14 +12,17 @@ PixArt-Sigma and DiT from configs:
   real needs the RAM of the real model.
 
 ``make_inputs`` gives every keyword the forward needs, in the model's dtype and on its device, at realistic
-sizes for the preset size (full: 1024x1024 images for Flux, SD3 and PixArt; 512x512 for the UNet; 256x256 for
-DiT; 480x704 px x 41 frames for LTX-Video; 480x832 px x 17 frames for Wan; 512x768 px x 49 frames for
-HunyuanVideo and 480x720 px x 49 frames for CogVideoX, as finetrainers' memory tables).
+sizes for the preset size (full: 1024x1024 images for Flux, SD3, SD3.5, SDXL and PixArt; 512x512 for the SD1.5
+UNet; 256x256 for DiT; 480x704 px x 41 frames for LTX-Video; 480x832 px x 17 frames for Wan, x 81 frames (the
+pipeline's default) for Wan2.1-1.3B and the Wan2.2 A14B expert, 704x1280 px x 121 frames for Wan2.2-TI2V-5B;
+512x768 px x 49 frames for HunyuanVideo and 480x720 px x 49 frames for CogVideoX, as finetrainers' memory tables).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
 import os
 import re
@@ -43,7 +46,7 @@ __all__ = ["load_model", "make_inputs", "preset_of"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
-_PRESETS_BY_CLASS: dict[str, tuple[str, ...]] = {}  # CogVideoX-5b and -2b share a class
+_PRESETS_BY_CLASS: dict[str, tuple[str, ...]] = {}  # CogVideoX-5b and -2b share a class, as SD3 and SD3.5, ...
 for _p in PRESETS.values():
     _PRESETS_BY_CLASS[_p.model_class] = (*_PRESETS_BY_CLASS.get(_p.model_class, ()), _p.name)
 del _p
@@ -237,11 +240,29 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
+@functools.cache
+def _class_defaults(class_name: str) -> dict[str, Any]:
+    """The keyword defaults of a diffusers class's constructor (its config keys a preset leaves out)."""
+    cls = getattr(diffusers, class_name, None)
+    if cls is None:
+        return {}
+    out = {}
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        if param.default is not inspect.Parameter.empty:
+            with contextlib.suppress(TypeError, ValueError):
+                out[name] = _plain(param.default)
+    return out
+
+
 def _exact_size(model: torch.nn.Module, preset: Preset) -> str | None:
-    """The preset size whose config the model's config matches, else None."""
+    """The preset size whose config the model's config matches, else None. Both are read with the class's defaults
+    for the keys they leave out, so a config that sets more than a preset's (SD3.5's ``qk_norm`` beside SD3's tiny
+    config) matches the preset that sets it too, not the first whose keys it shares."""
     config = getattr(model, "config", {})
+    defaults = _class_defaults(preset.model_class)
     for size in SIZES:
-        if all(_plain(config.get(k)) == _plain(v) for k, v in preset.configs[size].items()):
+        want = {**defaults, **preset.configs[size]}
+        if all(_plain(config.get(k, defaults.get(k))) == _plain(v) for k, v in want.items()):
             return size
     return None
 
@@ -270,8 +291,10 @@ def preset_of(model: torch.nn.Module) -> str:
     """Name of the preset a model belongs to: the one `load_model` recorded, else found by its class.
 
     Used by `make_inputs` to know the shapes a model expects. Wrappers such as ``torch.compile`` are seen
-    through. Presets that share a class (``cogvideox-5b`` and ``cogvideox-2b``) are told apart by the config: the
-    one with a size whose config the model's matches, else the one whose full config it shares most values with.
+    through. Presets that share a class (``cogvideox-5b`` and ``cogvideox-2b``; ``sd3`` and the SD3.5s; the Wans;
+    ``unet`` and ``sdxl``) are told apart by the config: the one with a size whose config the model's matches, else
+    the one whose full config it shares most values with. A Wan2.2 A14B expert has Wan2.1-14B's config: it is
+    ``wan``, whose inputs are the same.
 
     Example:
         >>> preset_of(load_model("wan"))

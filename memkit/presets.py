@@ -1,7 +1,8 @@
-"""The ten model presets: each one's diffusers class, its config at three sizes, and its inputs.
+"""The model presets: each one's diffusers class, its config at three sizes, and its inputs.
 
-A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3,
-LTX-Video, Wan, HunyuanVideo, CogVideoX (5b and 2b share one class), the SD1.5 UNet, PixArt-Sigma or DiT, its
+A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3 (3.5 Large
+and Medium share its class), LTX-Video, Wan (2.1 14B and 1.3B, 2.2 TI2V-5B and an A14B expert share one class),
+HunyuanVideo, CogVideoX (5b and 2b), the SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana or Qwen-Image, its
 config at each size (``tiny``: tests; ``small``: 30-100M parameters, benchmarks; ``full``: the released config),
 the default input sizes, and the function that builds the forward's keyword arguments from pixel and token sizes.
 Each preset's input builder sits right above its config, so adding a model is one block in this file.
@@ -188,6 +189,60 @@ _SD3 = _preset(
 )
 
 
+# stabilityai/stable-diffusion-3.5-large and -medium transformer/config.json (diffusers' scripts/
+# convert_sd3_to_diffusers.py reads each from the checkpoint: QK RMS norm; Medium's MMDiT-X blocks 0-12 attend over
+# the image tokens a second time, "dual_attention_layers")
+_SD35_FULL = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, attention_head_dim=64,
+                  joint_attention_dim=4096, pooled_projection_dim=2048, qk_norm="rms_norm")
+_SD35_SIZES = {  # StableDiffusion3Pipeline's defaults: 1024x1024 px, 77 CLIP + 256 T5 tokens
+    "tiny": dict(height=32, width=32, text_len=8),
+    "small": dict(height=256, width=256, text_len=64),
+    "full": dict(height=1024, width=1024, text_len=333),
+}
+
+
+_SD35_LARGE = _preset(
+    "sd3.5-large",
+    "SD3Transformer2DModel",
+    "Stable Diffusion 3.5 Large MMDiT (8.1B at full size)",
+    {
+        "tiny": dict(sample_size=4, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                     num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                     pooled_projection_dim=32, pos_embed_max_size=16, qk_norm="rms_norm"),
+        "small": dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=5,
+                      attention_head_dim=64, num_attention_heads=8, joint_attention_dim=4096,
+                      caption_projection_dim=512, pooled_projection_dim=2048, pos_embed_max_size=96,
+                      qk_norm="rms_norm"),
+        "full": dict(_SD35_FULL, num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
+                     pos_embed_max_size=192, dual_attention_layers=()),
+    },
+    _SD35_SIZES,
+    _sd3_inputs,
+    "stabilityai/stable-diffusion-3.5-large",
+)
+
+
+_SD35_MEDIUM = _preset(
+    "sd3.5-medium",
+    "SD3Transformer2DModel",
+    "Stable Diffusion 3.5 Medium MMDiT-X (2.2B at full size; 2.5B with its position table)",
+    {
+        "tiny": dict(sample_size=4, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                     num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                     pooled_projection_dim=32, pos_embed_max_size=16, qk_norm="rms_norm", dual_attention_layers=(0,)),
+        "small": dict(sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=5,
+                      attention_head_dim=64, num_attention_heads=8, joint_attention_dim=4096,
+                      caption_projection_dim=512, pooled_projection_dim=2048, pos_embed_max_size=96,
+                      qk_norm="rms_norm", dual_attention_layers=(0,)),
+        "full": dict(_SD35_FULL, num_layers=24, num_attention_heads=24, caption_projection_dim=1536,
+                     pos_embed_max_size=384, dual_attention_layers=tuple(range(13))),
+    },
+    _SD35_SIZES,
+    _sd3_inputs,
+    "stabilityai/stable-diffusion-3.5-medium",
+)
+
+
 def _ltx_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
     p, pt = cfg["patch_size"], cfg["patch_size_t"]
     h, w = _latent(s, "height", 32, p) // p, _latent(s, "width", 32, p) // p
@@ -233,9 +288,9 @@ _LTX = _preset(
 )
 
 
-def _wan_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+def _wan_latents(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker, vae: int) -> dict[str, Any]:
     pt, ph, pw = cfg["patch_size"]
-    h, w, f = _latent(s, "height", 8, ph), _latent(s, "width", 8, pw), _latent_frames(s, 4)
+    h, w, f = _latent(s, "height", vae, ph), _latent(s, "width", vae, pw), _latent_frames(s, 4)
     if f % pt:
         raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch {pt}")
     limit = cfg["rope_max_seq_len"]
@@ -252,6 +307,22 @@ def _wan_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dic
     return inputs
 
 
+def _wan_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # WanPipeline with Wan2.1's VAE: 8x spatial, 4x temporal, 16 channels; UMT5 text (4096 wide)
+    return _wan_latents(cfg, b, s, make, vae=8)
+
+
+def _wan22_ti2v_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # WanPipeline(expand_timesteps=True) with Wan2.2's VAE: 16x spatial, 4x temporal, 48 channels; one timestep per
+    # token (batch, tokens), the first frame's tokens at 0 for image-to-video: the time embedding and its six
+    # modulations are per token, not per sample
+    inputs = _wan_latents(cfg, b, s, make, vae=16)
+    _, _, f, h, w = inputs["hidden_states"].shape
+    pt, ph, pw = cfg["patch_size"]
+    inputs["timestep"] = inputs["timestep"][:, None].expand(b, (f // pt) * (h // ph) * (w // pw))
+    return inputs
+
+
 _WAN = _preset(
     "wan",
     "WanTransformer3DModel",
@@ -262,7 +333,7 @@ _WAN = _preset(
         "small": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16,
                       out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=2048, num_layers=8,
                       rope_max_seq_len=1024),
-        # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (the 1.3B model: 12 heads, ffn 8960, 30 layers)
+        # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (the 1.3B model: preset wan2.1-1.3b)
         "full": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
                      out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                      qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
@@ -274,6 +345,81 @@ _WAN = _preset(
     },
     _wan_inputs,
     "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+)
+
+
+# Wan-AI/Wan2.1-T2V-14B-Diffusers and the checkpoints below, transformer/config.json (diffusers'
+# scripts/convert_wan_to_diffusers.py gives each: "Wan-T2V-1.3B", "Wan2.2-TI2V-5B", "Wan2.2-T2V-A14B")
+_WAN_FULL = dict(patch_size=(1, 2, 2), attention_head_dim=128, text_dim=4096, freq_dim=256, cross_attn_norm=True,
+                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+# WanPipeline's defaults: 480x832 px, 81 frames, max_sequence_length 512
+_WAN_SIZES = {
+    "tiny": dict(height=32, width=32, frames=5, text_len=8),
+    "small": dict(height=128, width=128, frames=9, text_len=64),
+    "full": dict(height=480, width=832, frames=81, text_len=512),
+}
+
+
+_WAN_1_3B = _preset(
+    "wan2.1-1.3b",
+    "WanTransformer3DModel",
+    "Wan2.1 T2V 1.3B transformer (1.4B at full size)",
+    {
+        "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+                     out_channels=16, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2, rope_max_seq_len=1024),
+        "small": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16,
+                      out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=2240, num_layers=6,
+                      rope_max_seq_len=1024),
+        "full": dict(_WAN_FULL, num_attention_heads=12, ffn_dim=8960, num_layers=30, in_channels=16, out_channels=16),
+    },
+    _WAN_SIZES,
+    _wan_inputs,
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+)
+
+
+_WAN22_TI2V_5B = _preset(
+    "wan2.2-ti2v-5b",
+    "WanTransformer3DModel",
+    "Wan2.2 TI2V 5B transformer, 48-channel latents of its 16x VAE (5.0B at full size)",
+    {
+        "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=48,
+                     out_channels=48, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=1024),
+        "small": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=48,
+                      out_channels=48, text_dim=4096, freq_dim=256, ffn_dim=2304, num_layers=6,
+                      rope_max_seq_len=1024),
+        "full": dict(_WAN_FULL, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48),
+    },
+    {
+        "tiny": dict(height=64, width=64, frames=5, text_len=8),
+        "small": dict(height=256, width=256, frames=9, text_len=64),
+        # the model card's diffusers example, its 720P: 704x1280 px, 121 frames (WanPipeline's own 480x832 x 81
+        # frames are the 480P of the other Wan checkpoints); max_sequence_length 512
+        "full": dict(height=704, width=1280, frames=121, text_len=512),
+    },
+    _wan22_ti2v_inputs,
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+)
+
+
+# Wan2.2 T2V A14B is two experts of this one architecture (transformer/ for the high-noise steps, transformer_2/ for
+# the low-noise ones: 2 x 14.3B); a fine-tune trains one expert at a time, so the preset is one expert. Its config
+# is Wan2.1-T2V-14B's: a model of it built outside memkit is the "wan" preset, with the same inputs.
+_WAN22_T2V_A14B = _preset(
+    "wan2.2-t2v-a14b",
+    "WanTransformer3DModel",
+    "Wan2.2 T2V A14B, one of its two expert transformers (14.3B each at full size; one is trained at a time)",
+    {
+        "tiny": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+                     out_channels=16, text_dim=32, freq_dim=32, ffn_dim=80, num_layers=2, rope_max_seq_len=1024),
+        "small": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=128, in_channels=16,
+                      out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=2048, num_layers=7,
+                      rope_max_seq_len=1024),
+        "full": dict(_WAN_FULL, num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=16, out_channels=16),
+    },
+    _WAN_SIZES,
+    _wan_inputs,
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
 )
 
 
@@ -431,11 +577,21 @@ _SD_UP = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpB
 
 def _unet_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
     h, w = _latent(s, "height", 8, 1), _latent(s, "width", 8, 1)
-    return {
+    inputs = {
         "sample": make.randn(b, cfg["in_channels"], h, w),
         "timestep": make.timestep(b),
         "encoder_hidden_states": make.randn(b, s["text_len"], cfg["cross_attention_dim"]),
     }
+    if cfg["addition_embed_type"] == "text_time":  # StableDiffusionXLPipeline's micro-conditioning
+        # the second text encoder's pooled output beside six sizes in pixels, each embedded addition_time_embed_dim
+        # wide: (original height, width, crop top, left, target height, width), no crop, original = target
+        pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+        sizes = torch.tensor([s["height"], s["width"], 0, 0, s["height"], s["width"]], device=make.device)
+        inputs["added_cond_kwargs"] = {
+            "text_embeds": make.randn(b, pooled),
+            "time_ids": sizes.to(make.dtype).repeat(b, 1),
+        }
+    return inputs
 
 
 _UNET = _preset(
@@ -462,6 +618,47 @@ _UNET = _preset(
     },
     _unet_inputs,
     "stable-diffusion-v1-5/stable-diffusion-v1-5",
+)
+
+
+_SDXL_DOWN = ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D")
+
+
+_SDXL_UP = ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D")
+
+
+_SDXL = _preset(
+    "sdxl",
+    "UNet2DConditionModel",
+    "Stable Diffusion XL base 1.0 UNet (2.6B at full size)",
+    {
+        "tiny": dict(sample_size=4, in_channels=4, out_channels=4, block_out_channels=(16, 24),
+                     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1, norm_num_groups=8,
+                     cross_attention_dim=32, attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2),
+                     use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+                     projection_class_embeddings_input_dim=32 + 6 * 8),
+        "small": dict(sample_size=32, in_channels=4, out_channels=4, down_block_types=_SDXL_DOWN,
+                      up_block_types=_SDXL_UP, block_out_channels=(64, 128, 256), layers_per_block=2,
+                      attention_head_dim=(1, 2, 4), transformer_layers_per_block=(1, 2, 2), cross_attention_dim=2048,
+                      use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+                      projection_class_embeddings_input_dim=1280 + 6 * 256),
+        # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json: CLIP ViT-L and OpenCLIP bigG hidden states
+        # concatenated (768 + 1280), bigG's pooled output (1280) beside the six size embeddings
+        "full": dict(sample_size=128, in_channels=4, out_channels=4, down_block_types=_SDXL_DOWN,
+                     up_block_types=_SDXL_UP, block_out_channels=(320, 640, 1280), layers_per_block=2,
+                     norm_num_groups=32, attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10),
+                     cross_attention_dim=2048, use_linear_projection=True, addition_embed_type="text_time",
+                     addition_embed_type_num_heads=64, addition_time_embed_dim=256,
+                     projection_class_embeddings_input_dim=2816),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=77),
+        "full": dict(height=1024, width=1024, text_len=77),  # the pipeline's default: sample_size x 8 px; CLIP's 77
+    },
+    _unet_inputs,
+    "stabilityai/stable-diffusion-xl-base-1.0",
 )
 
 
@@ -631,6 +828,9 @@ _QWEN_IMAGE = _preset(
 )
 # fmt: on
 
-_ALL = (_FLUX, _SD3, _LTX, _WAN, _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE)
+_ALL = (
+    _FLUX, _SD3, _SD35_LARGE, _SD35_MEDIUM, _LTX, _WAN, _WAN_1_3B, _WAN22_TI2V_5B, _WAN22_T2V_A14B, _HUNYUAN_VIDEO,
+    _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _SDXL, _PIXART, _DIT, _SANA, _QWEN_IMAGE,
+)  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

@@ -30,6 +30,9 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "pixart": {"num_layers": 5},
     "dit": {"num_layers": 5},
     "sana": {"num_layers": 5},
+    "wan2.2-ti2v-5b": {"num_layers": 5},  # a timestep per token: per-token modulations in every block
+    "sd3.5-large": {"num_layers": 5},  # QK norm
+    "sd3.5-medium": {"num_layers": 5},  # its first block (only) with a second attention
 }
 
 
@@ -267,9 +270,28 @@ def test_full_size(preset, kwargs):
     assert_same(*both(preset, **kwargs))
 
 
+def test_a_list_whose_middle_blocks_differ_is_not_probed():
+    # SD3.5 Medium: blocks 0-12 of 24 have a second attention, 13-22 not: no block stands for all the middle ones
+    medium = PRESETS["sd3.5-medium"]
+    assert _memo.probe_builder(medium, "full", torch.bfloat16, 0) is None
+    # its small size, block 0 of 5 apart: the probe's first block stands for it
+    build, lengths = _memo.probe_builder(medium, "small", torch.float32, 0)
+    assert lengths == {"transformer_blocks": 5}
+    with torch.device("meta"):
+        probe = build()
+    assert probe.config.dual_attention_layers == (0,) and len(probe.transformer_blocks) == 4
+    assert [b.attn2 is not None for b in probe.transformer_blocks] == [True, False, False, False]
+
+
 @pytest.mark.parametrize(  # one preset per config key name in the fast set ("blocks", "transformer_blocks")
     "preset",
-    ["wan", "ltx-video", pytest.param("pixart", marks=pytest.mark.slow), pytest.param("dit", marks=pytest.mark.slow)],
+    [
+        "wan",
+        "ltx-video",
+        pytest.param("pixart", marks=pytest.mark.slow),
+        pytest.param("dit", marks=pytest.mark.slow),
+        pytest.param("sd3.5-medium", marks=pytest.mark.slow),  # a first block apart, marked in the probe's config
+    ],
 )
 def test_a_preset_builds_its_probe_directly(preset, monkeypatch):
     """A preset's probe is built with four blocks per list (not built whole and cut): byte-equal all the same."""

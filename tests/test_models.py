@@ -33,11 +33,25 @@ PUBLISHED = {
     "dit": 675e6,  # DiT-XL/2 (paper); diffusers duplicates an embedder per block, see below
     "qwen-image": 20e9,  # Qwen-Image, "a 20B MMDiT" (its technical report and model card)
     "sana": 1.6e9,  # Sana-1.6B (the paper, arXiv 2410.10629, and the model card: 1,604,462,752 in diffusers)
+    "wan2.1-1.3b": 1.3e9,  # Wan2.1-T2V-1.3B, the "1.3B" of its name and model card: see NAMED
+    "wan2.2-ti2v-5b": 5e9,  # Wan2.2-TI2V-5B model card, "5B"
+    # Wan2.2-T2V-A14B model card: "27B total parameters, with 14B active per step", one expert of two per step
+    "wan2.2-t2v-a14b": 14e9,
+    "sd3.5-large": 8.1e9,  # Stable Diffusion 3.5 Large model card, "8.1 billion parameters"
+    "sd3.5-medium": 2.5e9,  # Stable Diffusion 3.5 Medium model card, "2.5 billion parameters"
+    "sdxl": 2.6e9,  # SDXL paper (arXiv 2307.01952): "a 2.6B parameter UNet"
 }
 
 # Published counts that are a rounded name, not a measurement: the unit they are rounded to. diffusers' CogVideoX-2b
 # transformer has 1,693,783,872 parameters (its 30 blocks at width 1920 and the T5 projection), "2B" to the billion.
-ROUNDED = {"cogvideox-2b": 1e9}
+ROUNDED = {"cogvideox-2b": 1e9, "sd3.5-large": 0.1e9, "sd3.5-medium": 0.1e9, "sdxl": 0.1e9}
+# Published sizes that are a model's name, further from its count than any rounding: how far (relative) the count
+# is above the name. Wan2.1's 1.3B has the dimensions of the Wan paper's table (1536 wide, FFN 8960, 12 heads,
+# 30 layers) and 1,418,996,800 parameters (2.84 GB in bf16, the size its checkpoint is listed at): 9% above "1.3B".
+NAMED = {"wan2.1-1.3b": 0.1}
+# The SD3.5 checkpoints store the position table that diffusers keeps as a (persistent) buffer: the model cards
+# count it. SD3.5 Medium's 384x384 positions x 1536 are 226M of its 2.47B ("2.5 billion"; 2.24B without).
+COUNTS_POSITION_TABLE = {"sd3.5-large", "sd3.5-medium"}
 # Published counts given to the parameter.
 EXACT = {"cogvideox-5b"}
 
@@ -46,6 +60,11 @@ NO_GRAD = {
     # SD3's last joint block is "context_pre_only": its text-stream output is dropped, so the text queries of
     # that block feed nothing. SD3 Medium ships the same dead weights.
     "sd3": {"transformer_blocks.1.attn.add_q_proj.weight", "transformer_blocks.1.attn.add_q_proj.bias"},
+    # the same for SD3.5, with the QK norm of those queries
+    **dict.fromkeys(
+        ("sd3.5-large", "sd3.5-medium"),
+        {f"transformer_blocks.1.attn.{n}" for n in ("add_q_proj.weight", "add_q_proj.bias", "norm_added_q.weight")},
+    ),
     # Qwen-Image's last block computes a text-stream output that the model discards (only the image stream reaches
     # norm_out): the text side of that block's attention output and MLP feed nothing. The release has the same.
     "qwen-image": {
@@ -67,7 +86,10 @@ NO_GRAD = {
 # Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
 PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16}
 PIXEL_STEP |= {"hunyuanvideo": 16, "cogvideox-5b": 16, "cogvideox-2b": 16, "sana": 32, "qwen-image": 16}
+PIXEL_STEP |= {"wan2.1-1.3b": 16, "wan2.2-ti2v-5b": 32, "wan2.2-t2v-a14b": 16, "sd3.5-large": 16, "sd3.5-medium": 16}
+PIXEL_STEP |= {"sdxl": 8}
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
+FRAME_STEP |= {"wan2.1-1.3b": 4, "wan2.2-ti2v-5b": 4, "wan2.2-t2v-a14b": 4}
 
 
 def expected_output_shape(name: str, config, batch: int, height: int, width: int, frames: int = 1) -> tuple:
@@ -77,8 +99,9 @@ def expected_output_shape(name: str, config, batch: int, height: int, width: int
         return (batch, (h // 2) * (w // 2), config.in_channels)
     if name == "ltx-video":  # 32x spatial, 8x temporal VAE, tokens packed
         return (batch, ((frames - 1) // 8 + 1) * (height // 32) * (width // 32), config.out_channels)
-    if name in ("wan", "hunyuanvideo"):
-        return (batch, config.out_channels, (frames - 1) // 4 + 1, h, w)
+    if name.startswith("wan") or name == "hunyuanvideo":  # Wan2.2-TI2V-5B: a 16x VAE
+        vae = 16 if name == "wan2.2-ti2v-5b" else 8
+        return (batch, config.out_channels, (frames - 1) // 4 + 1, height // vae, width // vae)
     if name == "qwen-image":  # 2x2 latent pixels of out_channels packed into one token
         return (batch, (h // 2) * (w // 2), config.out_channels * 4)
     if name == "sana":  # the DC-AE: 32x spatial
@@ -118,8 +141,9 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 
 def test_presets_cover_every_size_with_a_diffusers_class():
     assert NAMES == [
-        "flux", "sd3", "ltx-video", "wan", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "pixart", "dit",
-        "sana", "qwen-image",
+        "flux", "sd3", "sd3.5-large", "sd3.5-medium", "ltx-video", "wan", "wan2.1-1.3b", "wan2.2-ti2v-5b",
+        "wan2.2-t2v-a14b", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "sdxl", "pixart", "dit", "sana",
+        "qwen-image",
     ]  # fmt: skip
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
@@ -188,6 +212,12 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "dit": (1, 4, 32, 32),
     "sana": (1, 32, 32, 32),  # 1024x1024 px through the 32x DC-AE
     "qwen-image": (1, 64 * 64, 64),
+    "wan2.1-1.3b": (1, 16, 21, 60, 104),  # 81 frames x 480 x 832 px
+    "wan2.2-ti2v-5b": (1, 48, 31, 44, 80),  # 121 frames x 704 x 1280 px through the 16x VAE
+    "wan2.2-t2v-a14b": (1, 16, 21, 60, 104),
+    "sd3.5-large": (1, 16, 128, 128),
+    "sd3.5-medium": (1, 16, 128, 128),
+    "sdxl": (1, 4, 128, 128),
 }
 
 
@@ -202,10 +232,14 @@ def test_full_size_matches_the_release_without_allocating(name):
         # diffusers' DiT gives each block its own timestep+class embedder; the paper shares one.
         per_block = sum(p.numel() for p in model.transformer_blocks[0].norm1.emb.parameters())
         count -= (len(model.transformer_blocks) - 1) * per_block
+    if name in COUNTS_POSITION_TABLE:
+        count += model.pos_embed.pos_embed.numel()
     if name in EXACT:
         assert count == PUBLISHED[name]
     elif name in ROUNDED:
         assert abs(count - PUBLISHED[name]) <= ROUNDED[name] / 2
+    elif name in NAMED:
+        assert 0 < count - PUBLISHED[name] <= NAMED[name] * PUBLISHED[name]
     else:
         assert count == pytest.approx(PUBLISHED[name], rel=0.03)
 
@@ -263,20 +297,74 @@ def test_preset_found_by_class_for_a_model_not_built_by_memkit():
 
 
 def test_presets_sharing_a_class_are_told_apart_by_the_config():
-    cls = diffusers.CogVideoXTransformer3DModel
-    for name in ("cogvideox-5b", "cogvideox-2b"):
-        for size in SIZES:
-            with torch.device("meta"):  # the released configs, no weights
-                model = cls(**PRESETS[name].configs[size])
-            assert preset_of(model) == name, size
+    shared: dict[str, list[str]] = {}
+    for p in PRESETS.values():
+        shared.setdefault(p.model_class, []).append(p.name)
+    shared = {cls: names for cls, names in shared.items() if len(names) > 1}
+    assert set(shared) == {
+        "SD3Transformer2DModel", "WanTransformer3DModel", "CogVideoXTransformer3DModel", "UNet2DConditionModel"
+    }  # fmt: skip
+    # a Wan2.2 A14B expert is Wan2.1-14B's architecture, config and inputs alike: built outside memkit it is "wan"
+    assert dict(PRESETS["wan2.2-t2v-a14b"].configs["full"]) == dict(PRESETS["wan"].configs["full"])
+    for cls_name, names in shared.items():
+        cls = getattr(diffusers, cls_name)
+        for name in names:
+            for size in SIZES:
+                with torch.device("meta"):  # the released configs, no weights
+                    model = cls(**PRESETS[name].configs[size])
+                want = "wan" if (name, size) == ("wan2.2-t2v-a14b", "full") else name
+                assert preset_of(model) == want, (name, size)
     # sibling checkpoints match no preset config: the closest full config wins. THUDM/CogVideoX-5b-I2V's
     # transformer (the image latent concatenated: 32 channels in; learned position embeddings), and a 2b variant
-    # trained at other sample sizes
+    # trained at other sample sizes; an SD3.5 Large fine-tune at another pos_embed_max_size; SDXL's inpainting UNet
+    # (9 channels in)
+    cls = diffusers.CogVideoXTransformer3DModel
     i2v = dict(PRESETS["cogvideox-5b"].configs["full"], in_channels=32, use_learned_positional_embeddings=True)
     wide = dict(PRESETS["cogvideox-2b"].configs["full"], sample_width=128, sample_frames=81)
-    for config, name in ((i2v, "cogvideox-5b"), (wide, "cogvideox-2b")):
+    large = dict(PRESETS["sd3.5-large"].configs["full"], pos_embed_max_size=96)
+    inpaint = dict(PRESETS["sdxl"].configs["full"], in_channels=9)
+    for cls, config, name in (
+        (diffusers.CogVideoXTransformer3DModel, i2v, "cogvideox-5b"),
+        (diffusers.CogVideoXTransformer3DModel, wide, "cogvideox-2b"),
+        (diffusers.SD3Transformer2DModel, large, "sd3.5-large"),
+        (diffusers.UNet2DConditionModel, inpaint, "sdxl"),
+    ):
         with torch.device("meta"):
             assert preset_of(cls(**config)) == name
+
+
+def test_a_config_that_sets_more_than_a_preset_is_not_taken_for_it():
+    # SD3.5 Large's tiny config is SD3's with QK norm: SD3's keys all match it, the class defaults tell them apart
+    config = dict(PRESETS["sd3.5-large"].configs["tiny"])
+    assert {k: v for k, v in config.items() if k != "qk_norm"} == dict(PRESETS["sd3"].configs["tiny"])
+    assert preset_of(diffusers.SD3Transformer2DModel(**config)) == "sd3.5-large"
+
+
+def test_sdxl_micro_conditioning_is_the_pipelines():
+    # StableDiffusionXLPipeline._get_add_time_ids for an uncropped image at the requested size, and the pooled text
+    # embedding as wide as the add embedding leaves beside the six size embeddings
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import StableDiffusionXLPipeline
+
+    model = cached_tiny("sdxl")
+    added = make_inputs(model, batch_size=2, height=48, width=64)["added_cond_kwargs"]
+    pipe = SimpleNamespace(unet=model)
+    want = StableDiffusionXLPipeline._get_add_time_ids(
+        pipe, (48, 64), (0, 0), (48, 64), torch.float32, text_encoder_projection_dim=added["text_embeds"].shape[1]
+    )
+    assert torch.equal(added["time_ids"], want.repeat(2, 1))
+    assert "added_cond_kwargs" not in make_inputs(cached_tiny("unet"))  # SD1.5: no micro-conditioning
+
+
+def test_wan22_ti2v_takes_a_timestep_per_token():
+    # WanPipeline(expand_timesteps=True): (batch, latent frames x (h / 2) x (w / 2)), one value per sample in
+    # text-to-video
+    inputs = make_inputs(cached_tiny("wan2.2-ti2v-5b"), batch_size=2, height=64, width=96, frames=9)
+    assert inputs["hidden_states"].shape == (2, 48, 3, 4, 6)
+    t = inputs["timestep"]
+    assert t.shape == (2, 3 * 2 * 3) and torch.equal(t, t[:, :1].expand(2, 18))
+    assert make_inputs(cached_tiny("wan2.1-1.3b"))["timestep"].shape == (1,)
 
 
 @pytest.mark.parametrize("size", [(32, 32, 5), (32, 64, 9), (64, 32, 1), (48, 80, 5)])
@@ -407,6 +495,9 @@ def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
         ("ltx-video", {"width": 48}, "width"),
         ("ltx-video", {"frames": 10}, "frames"),
         ("wan", {"frames": 6}, "frames"),
+        ("wan2.2-ti2v-5b", {"height": 48}, r"height=48 must be a multiple of 32 \(16x VAE, patch 2\)"),
+        ("sd3.5-medium", {"height": 1024}, "height"),  # beyond the tiny position embedding
+        ("sdxl", {"width": 36}, "width"),
         ("hunyuanvideo", {"frames": 8}, "frames"),
         ("hunyuanvideo", {"height": 40}, "height"),
         ("cogvideox-5b", {"width": 24}, "width"),

