@@ -139,6 +139,7 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "PixArtTransformer2DModel": {"transformer_blocks": "num_layers"},
     "DiTTransformer2DModel": {"transformer_blocks": "num_layers"},
     "SanaTransformer2DModel": {"transformer_blocks": "num_layers"},
+    "Flux2Transformer2DModel": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
 }
 
 # Models whose block lists are known but whose spliced timeline is not byte-equal to running every block; they run

@@ -1,4 +1,4 @@
-"""The ten model presets: each one's diffusers class, its config at three sizes, and its inputs.
+"""The model presets: each one's diffusers class, its config at three sizes, and its inputs.
 
 A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3,
 LTX-Video, Wan, HunyuanVideo, CogVideoX (5b and 2b share one class), the SD1.5 UNet, PixArt-Sigma or DiT, its
@@ -9,6 +9,7 @@ Each preset's input builder sits right above its config, so adding a model is on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -146,6 +147,51 @@ _FLUX = _preset(
     "black-forest-labs/FLUX.1-dev",
 )
 
+
+
+def _flux2_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # Flux2Pipeline: the VAE compresses 8x into 32 channels, 2x2 of which it patchifies and packs into one token of
+    # in_channels (128); the prompt is Mistral-Small's hidden states of three layers side by side (joint_attention_dim,
+    # 3 x 5120), padded to max_sequence_length; position ids (t, h, w, l) per token: (0, row, col, 0) for the image,
+    # (0, 0, 0, i) for the text; the timestep in [0, 1] and the distilled guidance (guidance_scale=4.0)
+    h, w = _latent(s, "height", 8, 2) // 2, _latent(s, "width", 8, 2) // 2
+    arange = functools.partial(torch.arange, device=make.device)
+    zero = arange(1)
+    inputs = {
+        "hidden_states": make.randn(b, h * w, cfg["in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+        "img_ids": torch.cartesian_prod(zero, arange(h), arange(w), zero).expand(b, -1, -1),
+        "txt_ids": torch.cartesian_prod(zero, zero, zero, arange(s["text_len"])).expand(b, -1, -1),
+    }
+    if cfg["guidance_embeds"]:
+        inputs["guidance"] = make.full((b,), 4.0)
+    return inputs
+
+
+_FLUX2 = _preset(
+    "flux2-dev",
+    "Flux2Transformer2DModel",
+    "FLUX.2-dev transformer (32.2B at full size)",
+    {
+        "tiny": dict(in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                     joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
+        "small": dict(in_channels=128, num_layers=2, num_single_layers=4, attention_head_dim=64, num_attention_heads=8,
+                      joint_attention_dim=15360, axes_dims_rope=(16, 16, 16, 16)),
+        # black-forest-labs/FLUX.2-dev transformer/config.json (diffusers' scripts/convert_flux2_to_diffusers.py,
+        # "flux2-dev"; the class defaults)
+        "full": dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                     num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
+                     mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=512),  # the pipeline's default size and max_sequence_length
+    },
+    _flux2_inputs,
+    "black-forest-labs/FLUX.2-dev",
+)
 
 
 def _sd3_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
@@ -631,6 +677,9 @@ _QWEN_IMAGE = _preset(
 )
 # fmt: on
 
-_ALL = (_FLUX, _SD3, _LTX, _WAN, _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE)
+_ALL = (
+    _FLUX, _SD3, _LTX, _WAN, _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE,
+    _FLUX2,
+)  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

@@ -30,6 +30,7 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "pixart": {"num_layers": 5},
     "dit": {"num_layers": 5},
     "sana": {"num_layers": 5},
+    "flux2-dev": {"num_layers": 5, "num_single_layers": 6},
 }
 
 
