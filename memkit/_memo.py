@@ -150,6 +150,19 @@ _REFUSED: dict[str, str] = {
     "allocation does not)",
 }
 
+# Models with a layer outside the blocks sized by the block counts: a probe built with four blocks per list would shrink
+# it, so the whole model is built (on fake tensors, no memory) and cut, as a model from a callable is.
+_CUT_WHOLE: dict[str, str] = {
+    "ChromaTransformer2DModel": "its modulation table has 3 rows per single block and 12 per double block, each "
+    "row through the approximator",
+}
+
+
+def cut_whole(class_name: str) -> bool:
+    """Whether a preset of ``class_name`` is probed by building it whole and cutting its block lists (see
+    ``_CUT_WHOLE``) rather than building it with four blocks per list."""
+    return class_name in _CUT_WHOLE
+
 
 def refused(class_name: str) -> str | None:
     """Why a model of ``class_name`` is not memoized although its blocks are known, or None."""

@@ -675,11 +675,55 @@ _QWEN_IMAGE = _preset(
     _qwen_image_inputs,
     "Qwen/Qwen-Image",
 )
+
+def _chroma_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # ChromaPipeline: Flux's packing (8x VAE of 16 channels, 2x2 latent pixels per 64-channel token, (0, row, col)
+    # ids, zero text ids), T5 only, padded to max_sequence_length, and an attention mask over text and image tokens
+    # (the pipeline masks the padding but its first token: the mask's values do not change the memory)
+    h, w = _latent(s, "height", 8, 2) // 2, _latent(s, "width", 8, 2) // 2
+    rows, cols = torch.meshgrid(torch.arange(h, device=make.device), torch.arange(w, device=make.device), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(h * w, 3)
+    return {
+        "hidden_states": make.randn(b, h * w, cfg["in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+        "img_ids": img_ids.to(make.dtype),
+        "txt_ids": make.full((s["text_len"], 3), 0.0),
+        "attention_mask": make.full((b, s["text_len"] + h * w), 1.0),
+    }
+
+
+_CHROMA = _preset(
+    "chroma",
+    "ChromaTransformer2DModel",
+    "Chroma transformer, FLUX.1-schnell pruned, an approximator for modulation (8.9B at full size)",
+    {
+        "tiny": dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                     joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=16,
+                     approximator_hidden_dim=32, approximator_layers=1),
+        # six single blocks: more than the memoization probe keeps (the small estimate checks its cut)
+        "small": dict(in_channels=64, num_layers=2, num_single_layers=6, attention_head_dim=64, num_attention_heads=8,
+                      joint_attention_dim=4096, axes_dims_rope=(8, 28, 28), approximator_num_channels=64,
+                      approximator_hidden_dim=512, approximator_layers=2),
+        # lodestones/Chroma transformer/config.json (diffusers' class defaults; lodestones/Chroma1-HD has the same)
+        "full": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
+                     approximator_num_channels=64, approximator_hidden_dim=5120, approximator_layers=5),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=512),  # the pipeline's default size and max_sequence_length
+    },
+    _chroma_inputs,
+    "lodestones/Chroma",
+)
+
 # fmt: on
 
 _ALL = (
     _FLUX, _SD3, _LTX, _WAN, _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE,
-    _FLUX2,
+    _FLUX2, _CHROMA,
 )  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

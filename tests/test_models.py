@@ -34,6 +34,7 @@ PUBLISHED = {
     "qwen-image": 20e9,  # Qwen-Image, "a 20B MMDiT" (its technical report and model card)
     "sana": 1.6e9,  # Sana-1.6B (the paper, arXiv 2410.10629, and the model card: 1,604,462,752 in diffusers)
     "flux2-dev": 32e9,  # FLUX.2-dev's model card: "a 32 billion parameter rectified flow transformer"
+    "chroma": 8.9e9,  # Chroma's model card: "an 8.9B parameter model based on FLUX.1-[schnell]"
 }
 
 # Published counts that are a rounded name, not a measurement: the unit they are rounded to. diffusers' CogVideoX-2b
@@ -41,6 +42,8 @@ PUBLISHED = {
 ROUNDED = {"cogvideox-2b": 1e9}
 # diffusers' FLUX.2-dev transformer has 32,223,281,152: "32 billion" to the billion.
 ROUNDED |= {"flux2-dev": 1e9}
+# Chroma: 8,899,983,424, "8.9B" to the hundred million.
+ROUNDED |= {"chroma": 0.1e9}
 # Published counts given to the parameter.
 EXACT = {"cogvideox-5b"}
 
@@ -70,14 +73,14 @@ NO_GRAD = {
 # Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
 PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16}
 PIXEL_STEP |= {"hunyuanvideo": 16, "cogvideox-5b": 16, "cogvideox-2b": 16, "sana": 32, "qwen-image": 16}
-PIXEL_STEP |= {"flux2-dev": 16}
+PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16}
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
 
 
 def expected_output_shape(name: str, config, batch: int, height: int, width: int, frames: int = 1) -> tuple:
     """The output contract: the input latent's shape, with DiT/PixArt predicting a variance too (8 channels)."""
     h, w = height // 8, width // 8
-    if name in ("flux", "flux2-dev"):  # 2x2 latent pixels packed into one token
+    if name in ("flux", "flux2-dev", "chroma"):  # 2x2 latent pixels packed into one token
         return (batch, (h // 2) * (w // 2), config.in_channels)
     if name == "ltx-video":  # 32x spatial, 8x temporal VAE, tokens packed
         return (batch, ((frames - 1) // 8 + 1) * (height // 32) * (width // 32), config.out_channels)
@@ -123,7 +126,7 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 def test_presets_cover_every_size_with_a_diffusers_class():
     assert NAMES == [
         "flux", "sd3", "ltx-video", "wan", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "pixart", "dit",
-        "sana", "qwen-image", "flux2-dev",
+        "sana", "qwen-image", "flux2-dev", "chroma",
     ]  # fmt: skip
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
@@ -193,6 +196,7 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "sana": (1, 32, 32, 32),  # 1024x1024 px through the 32x DC-AE
     "qwen-image": (1, 64 * 64, 64),
     "flux2-dev": (1, 64 * 64, 128),  # 2x2 latent pixels of 32 channels per token
+    "chroma": (1, 64 * 64, 64),
 }
 
 
