@@ -140,6 +140,10 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "DiTTransformer2DModel": {"transformer_blocks": "num_layers"},
     "SanaTransformer2DModel": {"transformer_blocks": "num_layers"},
     "Flux2Transformer2DModel": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
+    "AuraFlowTransformer2DModel": {
+        "joint_transformer_blocks": "num_mmdit_layers",
+        "single_transformer_blocks": "num_single_dit_layers",
+    },
 }
 
 # Models whose block lists are known but whose spliced timeline is not byte-equal to running every block; they run

@@ -10,6 +10,7 @@ Each preset's input builder sits right above its config, so adding a model is on
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -719,11 +720,54 @@ _CHROMA = _preset(
     "lodestones/Chroma",
 )
 
+
+def _auraflow_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # AuraFlowPipeline: SDXL's VAE (8x, 4 channels), patches of 2 inside the model, Pile-T5 hidden states (2048 wide)
+    # padded to max_sequence_length (256), the timestep in [0, 1]. The position table is a square grid of
+    # pos_embed_max_size patches, centred on the image
+    p, side = cfg["patch_size"], math.isqrt(cfg["pos_embed_max_size"])
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    for key, extent in (("height", h), ("width", w)):
+        if extent // p > side:
+            raise ValueError(f"{key}={s[key]} exceeds the {side * p * 8} px the position embedding covers")
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+    }
+
+
+_AURAFLOW = _preset(
+    "auraflow",
+    "AuraFlowTransformer2DModel",
+    "AuraFlow v0.3 MMDiT (6.8B at full size)",
+    {
+        "tiny": dict(sample_size=4, patch_size=2, in_channels=4, out_channels=4, num_mmdit_layers=1,
+                     num_single_dit_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                     caption_projection_dim=32, pos_embed_max_size=256),
+        "small": dict(sample_size=32, patch_size=2, in_channels=4, out_channels=4, num_mmdit_layers=2,
+                      num_single_dit_layers=4, attention_head_dim=64, num_attention_heads=8, joint_attention_dim=2048,
+                      caption_projection_dim=512, pos_embed_max_size=1024),
+        # fal/AuraFlow-v0.3 transformer/config.json: diffusers' class defaults (its scripts/convert_aura_flow_to_
+        # diffusers.py builds the class with them) but the position table: 96x96 patches, v0.3's 1536 px sides
+        "full": dict(sample_size=64, patch_size=2, in_channels=4, out_channels=4, num_mmdit_layers=4,
+                     num_single_dit_layers=32, attention_head_dim=256, num_attention_heads=12,
+                     joint_attention_dim=2048, caption_projection_dim=3072, pos_embed_max_size=9216),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=256),  # the pipeline's defaults; max_sequence_length
+    },
+    _auraflow_inputs,
+    "fal/AuraFlow-v0.3",
+)
+
 # fmt: on
 
 _ALL = (
     _FLUX, _SD3, _LTX, _WAN, _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE,
-    _FLUX2, _CHROMA,
+    _FLUX2, _CHROMA, _AURAFLOW,
 )  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

@@ -234,6 +234,7 @@ NO_FEEDFORWARD = {
     # Flux2FeedForward (linear_in, a parameterless SwiGLU, linear_out) is not diffusers' FeedForward, and the single
     # blocks fuse their MLP into the attention's projections (to_qkv_mlp_proj, to_out)
     "flux2-dev": "Flux2FeedForward",
+    "auraflow": "AuraFlowFeedForward",  # silu(linear_1(x)) * linear_2(x) -> out_projection: two input projections
 }
 
 

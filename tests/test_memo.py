@@ -32,6 +32,7 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "sana": {"num_layers": 5},
     "flux2-dev": {"num_layers": 5, "num_single_layers": 6},
     "chroma": {"num_layers": 5, "num_single_layers": 6},
+    "auraflow": {"num_mmdit_layers": 5, "num_single_dit_layers": 6},
 }
 
 

@@ -35,6 +35,7 @@ PUBLISHED = {
     "sana": 1.6e9,  # Sana-1.6B (the paper, arXiv 2410.10629, and the model card: 1,604,462,752 in diffusers)
     "flux2-dev": 32e9,  # FLUX.2-dev's model card: "a 32 billion parameter rectified flow transformer"
     "chroma": 8.9e9,  # Chroma's model card: "an 8.9B parameter model based on FLUX.1-[schnell]"
+    "auraflow": 6.8e9,  # AuraFlow, "6.8B" (fal's AuraFlow blog post); v0.3's table has 6,858,605,568: within 1%
 }
 
 # Published counts that are a rounded name, not a measurement: the unit they are rounded to. diffusers' CogVideoX-2b
@@ -73,7 +74,7 @@ NO_GRAD = {
 # Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
 PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16}
 PIXEL_STEP |= {"hunyuanvideo": 16, "cogvideox-5b": 16, "cogvideox-2b": 16, "sana": 32, "qwen-image": 16}
-PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16}
+PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16}
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
 
 
@@ -126,7 +127,7 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 def test_presets_cover_every_size_with_a_diffusers_class():
     assert NAMES == [
         "flux", "sd3", "ltx-video", "wan", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "pixart", "dit",
-        "sana", "qwen-image", "flux2-dev", "chroma",
+        "sana", "qwen-image", "flux2-dev", "chroma", "auraflow",
     ]  # fmt: skip
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
@@ -197,6 +198,7 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "qwen-image": (1, 64 * 64, 64),
     "flux2-dev": (1, 64 * 64, 128),  # 2x2 latent pixels of 32 channels per token
     "chroma": (1, 64 * 64, 64),
+    "auraflow": (1, 4, 128, 128),
 }
 
 
@@ -413,6 +415,7 @@ def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
         ("flux", {"height": 40}, "height"),
         ("sd3", {"width": 24}, "width"),
         ("sd3", {"height": 1024}, "height"),  # beyond the tiny position embedding
+        ("auraflow", {"width": 512}, "width=512 exceeds the 256 px"),  # a 16x16 table of positions
         ("ltx-video", {"width": 48}, "width"),
         ("ltx-video", {"frames": 10}, "frames"),
         ("wan", {"frames": 6}, "frames"),
