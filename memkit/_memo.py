@@ -152,6 +152,8 @@ _REFUSED: dict[str, str] = {
     "QwenImageTransformer2DModel": "Qwen-Image's last block computes a text stream the model drops; those tensors are "
     "freed after the blocks in an order the splice does not reproduce (the bytes agree, which free pairs with which "
     "allocation does not)",
+    "CogView4Transformer2DModel": "in CogView4's forward, tensors of several sizes are freed together as a module "
+    "returns, in an order the splice does not reproduce (the same bytes freed, in another order)",
 }
 
 # Models with a layer outside the blocks sized by the block counts: a probe built with four blocks per list would shrink

@@ -763,11 +763,56 @@ _AURAFLOW = _preset(
     "fal/AuraFlow-v0.3",
 )
 
+
+def _cogview4_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # CogView4Pipeline: an 8x VAE of 16 channels, patches of 2 inside the model; GLM-4's hidden states (4096 wide) of
+    # the prompt as long as it is, left-padded to a multiple of 16 tokens; SDXL-like size conditions (original and
+    # target size, crop corner); the timestep on the scheduler's 0-1000 scale
+    p = cfg["patch_size"]
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    if s["text_len"] % 16:
+        raise ValueError(f"text_len={s['text_len']} must be a multiple of 16: the pipeline pads the prompt so")
+    size = torch.tensor([[s["height"], s["width"]]], dtype=make.dtype, device=make.device).repeat(b, 1)
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_embed_dim"]),
+        "timestep": make.timestep(b),
+        "original_size": size,
+        "target_size": size.clone(),
+        "crop_coords": make.full((b, 2), 0.0),
+    }
+
+
+_COGVIEW4 = _preset(
+    "cogview4",
+    "CogView4Transformer2DModel",
+    "CogView4-6B transformer (6.4B at full size; the 6B of its name)",
+    {
+        "tiny": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                     num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+                     pos_embed_max_size=16, sample_size=4),
+        "small": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=6, attention_head_dim=64,
+                      num_attention_heads=8, text_embed_dim=4096, time_embed_dim=512, condition_dim=256,
+                      pos_embed_max_size=128, sample_size=32),
+        # THUDM/CogView4-6B transformer/config.json (diffusers' scripts/convert_cogview4_to_diffusers.py)
+        "full": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=28, attention_head_dim=128,
+                     num_attention_heads=32, text_embed_dim=4096, time_embed_dim=512, condition_dim=256,
+                     pos_embed_max_size=128, sample_size=128, rope_axes_dim=(256, 256)),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=16),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=1024),  # the pipeline's defaults; max_sequence_length
+    },
+    _cogview4_inputs,
+    "THUDM/CogView4-6B",
+)
+
 # fmt: on
 
 _ALL = (
     _FLUX, _SD3, _LTX, _WAN, _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _PIXART, _DIT, _SANA, _QWEN_IMAGE,
-    _FLUX2, _CHROMA, _AURAFLOW,
+    _FLUX2, _CHROMA, _AURAFLOW, _COGVIEW4,
 )  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

@@ -98,12 +98,13 @@ def test_every_preset_default_step(preset):
     assert_same(*both(deep(preset)))
 
 
-def test_a_refused_model_runs_every_block_and_says_why():
+@pytest.mark.parametrize("preset", ["qwen-image", "cogview4"])
+def test_a_refused_model_runs_every_block_and_says_why(preset):
     from memkit.presets import PRESETS
 
-    tl = memkit.estimate("qwen-image", size="tiny", progress=False)
+    tl = memkit.estimate(preset, size="tiny", progress=False)
     assert not tl.meta["memoized"] and "the splice does not reproduce" in tl.meta["memo"]
-    assert _memo.refused(PRESETS["qwen-image"].model_class) and _memo.refused("FluxTransformer2DModel") is None
+    assert _memo.refused(PRESETS[preset].model_class) and _memo.refused("FluxTransformer2DModel") is None
 
 
 @pytest.mark.slow  # ~20 s; the fast suite cuts Chroma's blocks through test_every_preset_default_step[chroma]

@@ -35,6 +35,7 @@ PUBLISHED = {
     "sana": 1.6e9,  # Sana-1.6B (the paper, arXiv 2410.10629, and the model card: 1,604,462,752 in diffusers)
     "flux2-dev": 32e9,  # FLUX.2-dev's model card: "a 32 billion parameter rectified flow transformer"
     "chroma": 8.9e9,  # Chroma's model card: "an 8.9B parameter model based on FLUX.1-[schnell]"
+    "cogview4": 6e9,  # the "6B" of CogView4-6B's name and model card, see ROUNDED
     "auraflow": 6.8e9,  # AuraFlow, "6.8B" (fal's AuraFlow blog post); v0.3's table has 6,858,605,568: within 1%
 }
 
@@ -43,8 +44,8 @@ PUBLISHED = {
 ROUNDED = {"cogvideox-2b": 1e9}
 # diffusers' FLUX.2-dev transformer has 32,223,281,152: "32 billion" to the billion.
 ROUNDED |= {"flux2-dev": 1e9}
-# Chroma: 8,899,983,424, "8.9B" to the hundred million.
-ROUNDED |= {"chroma": 0.1e9}
+# Chroma: 8,899,983,424, "8.9B" to the hundred million. CogView4-6B: 6,369,118,272, "6B" to the billion.
+ROUNDED |= {"chroma": 0.1e9, "cogview4": 1e9}
 # Published counts given to the parameter.
 EXACT = {"cogvideox-5b"}
 
@@ -74,7 +75,7 @@ NO_GRAD = {
 # Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
 PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pixart": 16, "dit": 16}
 PIXEL_STEP |= {"hunyuanvideo": 16, "cogvideox-5b": 16, "cogvideox-2b": 16, "sana": 32, "qwen-image": 16}
-PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16}
+PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16, "cogview4": 16}
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
 
 
@@ -127,7 +128,7 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 def test_presets_cover_every_size_with_a_diffusers_class():
     assert NAMES == [
         "flux", "sd3", "ltx-video", "wan", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "pixart", "dit",
-        "sana", "qwen-image", "flux2-dev", "chroma", "auraflow",
+        "sana", "qwen-image", "flux2-dev", "chroma", "auraflow", "cogview4",
     ]  # fmt: skip
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
@@ -199,6 +200,7 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "flux2-dev": (1, 64 * 64, 128),  # 2x2 latent pixels of 32 channels per token
     "chroma": (1, 64 * 64, 64),
     "auraflow": (1, 4, 128, 128),
+    "cogview4": (1, 16, 128, 128),
 }
 
 
@@ -416,6 +418,7 @@ def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
         ("sd3", {"width": 24}, "width"),
         ("sd3", {"height": 1024}, "height"),  # beyond the tiny position embedding
         ("auraflow", {"width": 512}, "width=512 exceeds the 256 px"),  # a 16x16 table of positions
+        ("cogview4", {"text_len": 20}, "text_len=20 must be a multiple of 16"),
         ("ltx-video", {"width": 48}, "width"),
         ("ltx-video", {"frames": 10}, "frames"),
         ("wan", {"frames": 6}, "frames"),
