@@ -119,6 +119,9 @@ def cut(model: nn.Module, lengths: dict[str, int] | None = None) -> list[tuple[s
                 lists.append((name, lengths[name], module))
         return lists
     lists = [(name, len(blocks), blocks) for name, blocks in block_lists(model)]
+    keep = _CUT_WHOLE.get(type(model).__name__)
+    if keep is not None:  # its other lists are not blocks (Chroma's approximator)
+        lists = [entry for entry in lists if entry[0] in keep]
     for _, _, blocks in lists:
         del blocks[PROBE - 1 : -1]
     return lists
@@ -157,10 +160,11 @@ _REFUSED: dict[str, str] = {
 }
 
 # Models with a layer outside the blocks sized by the block counts: a probe built with four blocks per list would shrink
-# it, so the whole model is built (on fake tensors, no memory) and cut, as a model from a callable is.
-_CUT_WHOLE: dict[str, str] = {
-    "ChromaTransformer2DModel": "its modulation table has 3 rows per single block and 12 per double block, each "
-    "row through the approximator",
+# it, so the whole model is built (on fake tensors, no memory) and these of its lists cut, as a model from a callable
+# is. Chroma's modulation table has 3 rows per single block and 12 per double block, each through the approximator,
+# whose own lists (5 layers, 5 norms) are not blocks to splice.
+_CUT_WHOLE: dict[str, tuple[str, ...]] = {
+    "ChromaTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
 }
 
 

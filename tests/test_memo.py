@@ -31,7 +31,7 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "dit": {"num_layers": 5},
     "sana": {"num_layers": 5},
     "flux2-dev": {"num_layers": 5, "num_single_layers": 6},
-    "chroma": {"num_layers": 5, "num_single_layers": 6},
+    "chroma": {"num_layers": 5, "num_single_layers": 6, "approximator_layers": 5},  # as released: 5 (not blocks)
     "auraflow": {"num_mmdit_layers": 5, "num_single_dit_layers": 6},
 }
 
