@@ -1,8 +1,8 @@
 """The model presets: each one's diffusers class, its config at three sizes, and its inputs.
 
 A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3,
-LTX-Video, Wan, HunyuanVideo, CogVideoX (5b and 2b share one class), the SD1.5 UNet, PixArt-Sigma or DiT, its
-config at each size (``tiny``: tests; ``small``: 30-100M parameters, benchmarks; ``full``: the released config),
+LTX-Video, Wan, HunyuanVideo, CogVideoX (5b and 2b share one class), the SD1.5 UNet, PixArt-Sigma, DiT, Sana,
+Qwen-Image, FLUX.2, Chroma, AuraFlow or CogView4, its config at each size (``tiny``: tests; ``small``: 30-100M parameters, benchmarks; ``full``: the released config),
 the default input sizes, and the function that builds the forward's keyword arguments from pixel and token sizes.
 Each preset's input builder sits right above its config, so adding a model is one block in this file.
 """
