@@ -123,6 +123,9 @@ def cut(model: nn.Module, lengths: dict[str, int] | None = None) -> list[tuple[s
                 lists.append((name, lengths[name], module))
         return lists
     lists = [(name, len(blocks), blocks) for name, blocks in block_lists(model)]
+    keep = _CUT_WHOLE.get(type(model).__name__)
+    if keep is not None:  # its other lists are not blocks (Chroma's approximator)
+        lists = [entry for entry in lists if entry[0] in keep]
     for _, _, blocks in lists:
         del blocks[PROBE - 1 : -1]
     return lists
@@ -143,6 +146,11 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "PixArtTransformer2DModel": {"transformer_blocks": "num_layers"},
     "DiTTransformer2DModel": {"transformer_blocks": "num_layers"},
     "SanaTransformer2DModel": {"transformer_blocks": "num_layers"},
+    "Flux2Transformer2DModel": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
+    "AuraFlowTransformer2DModel": {
+        "joint_transformer_blocks": "num_mmdit_layers",
+        "single_transformer_blocks": "num_single_dit_layers",
+    },
 }
 
 # Config keys listing the layers of a block list built apart from the others, per diffusers class: SD3.5 Medium's
@@ -156,7 +164,23 @@ _REFUSED: dict[str, str] = {
     "QwenImageTransformer2DModel": "Qwen-Image's last block computes a text stream the model drops; those tensors are "
     "freed after the blocks in an order the splice does not reproduce (the bytes agree, which free pairs with which "
     "allocation does not)",
+    "CogView4Transformer2DModel": "in CogView4's forward, tensors of several sizes are freed together as a module "
+    "returns, in an order the splice does not reproduce (the same bytes freed, in another order)",
 }
+
+# Models with a layer outside the blocks sized by the block counts: a probe built with four blocks per list would shrink
+# it, so the whole model is built (on fake tensors, no memory) and these of its lists cut, as a model from a callable
+# is. Chroma's modulation table has 3 rows per single block and 12 per double block, each through the approximator,
+# whose own lists (5 layers, 5 norms) are not blocks to splice.
+_CUT_WHOLE: dict[str, tuple[str, ...]] = {
+    "ChromaTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
+}
+
+
+def cut_whole(class_name: str) -> bool:
+    """Whether a preset of ``class_name`` is probed by building it whole and cutting its block lists (see
+    ``_CUT_WHOLE``) rather than building it with four blocks per list."""
+    return class_name in _CUT_WHOLE
 
 
 def refused(class_name: str) -> str | None:

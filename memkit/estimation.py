@@ -272,7 +272,7 @@ def estimate(
     probe = None
     if why_not is None and preset is not None:
         why_not = _memo.refused(preset.model_class)
-    if why_not is None and preset is not None:
+    if why_not is None and preset is not None and not _memo.cut_whole(preset.model_class):
         probe = _memo.probe_builder(preset, size, dtype, seed)
         if probe is None:  # a preset without lists of identical blocks (UNet): not built twice to find out
             why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"

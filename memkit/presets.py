@@ -2,14 +2,17 @@
 
 A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3 (3.5 Large
 and Medium share its class), LTX-Video, Wan (2.1 14B and 1.3B, 2.2 TI2V-5B and an A14B expert share one class),
-HunyuanVideo, CogVideoX (5b and 2b), the SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana or Qwen-Image, its
-config at each size (``tiny``: tests; ``small``: 30-100M parameters, benchmarks; ``full``: the released config),
+HunyuanVideo, CogVideoX (5b and 2b), the SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana, Qwen-Image, FLUX.2, Chroma,
+AuraFlow or CogView4, its config at each size (``tiny``: tests; ``small``: 30-100M parameters, benchmarks; ``full``:
+the released config),
 the default input sizes, and the function that builds the forward's keyword arguments from pixel and token sizes.
 Each preset's input builder sits right above its config, so adding a model is one block in this file.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -147,6 +150,51 @@ _FLUX = _preset(
     "black-forest-labs/FLUX.1-dev",
 )
 
+
+
+def _flux2_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # Flux2Pipeline: the VAE compresses 8x into 32 channels, 2x2 of which it patchifies and packs into one token of
+    # in_channels (128); the prompt is Mistral-Small's hidden states of three layers side by side (joint_attention_dim,
+    # 3 x 5120), padded to max_sequence_length; position ids (t, h, w, l) per token: (0, row, col, 0) for the image,
+    # (0, 0, 0, i) for the text; the timestep in [0, 1] and the distilled guidance (guidance_scale=4.0)
+    h, w = _latent(s, "height", 8, 2) // 2, _latent(s, "width", 8, 2) // 2
+    arange = functools.partial(torch.arange, device=make.device)
+    zero = arange(1)
+    inputs = {
+        "hidden_states": make.randn(b, h * w, cfg["in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+        "img_ids": torch.cartesian_prod(zero, arange(h), arange(w), zero).expand(b, -1, -1),
+        "txt_ids": torch.cartesian_prod(zero, zero, zero, arange(s["text_len"])).expand(b, -1, -1),
+    }
+    if cfg["guidance_embeds"]:
+        inputs["guidance"] = make.full((b,), 4.0)
+    return inputs
+
+
+_FLUX2 = _preset(
+    "flux2-dev",
+    "Flux2Transformer2DModel",
+    "FLUX.2-dev transformer (32.2B at full size)",
+    {
+        "tiny": dict(in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                     joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)),
+        "small": dict(in_channels=128, num_layers=2, num_single_layers=4, attention_head_dim=64, num_attention_heads=8,
+                      joint_attention_dim=15360, axes_dims_rope=(16, 16, 16, 16)),
+        # black-forest-labs/FLUX.2-dev transformer/config.json (diffusers' scripts/convert_flux2_to_diffusers.py,
+        # "flux2-dev"; the class defaults)
+        "full": dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                     num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
+                     mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=512),  # the pipeline's default size and max_sequence_length
+    },
+    _flux2_inputs,
+    "black-forest-labs/FLUX.2-dev",
+)
 
 
 def _sd3_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
@@ -826,11 +874,143 @@ _QWEN_IMAGE = _preset(
     _qwen_image_inputs,
     "Qwen/Qwen-Image",
 )
+
+def _chroma_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # ChromaPipeline: Flux's packing (8x VAE of 16 channels, 2x2 latent pixels per 64-channel token, (0, row, col)
+    # ids, zero text ids), T5 only, padded to max_sequence_length, and an attention mask over text and image tokens
+    # (the pipeline masks the padding but its first token: the mask's values do not change the memory)
+    h, w = _latent(s, "height", 8, 2) // 2, _latent(s, "width", 8, 2) // 2
+    rows, cols = torch.meshgrid(torch.arange(h, device=make.device), torch.arange(w, device=make.device), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(h * w, 3)
+    return {
+        "hidden_states": make.randn(b, h * w, cfg["in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+        "img_ids": img_ids.to(make.dtype),
+        "txt_ids": make.full((s["text_len"], 3), 0.0),
+        "attention_mask": make.full((b, s["text_len"] + h * w), 1.0),
+    }
+
+
+_CHROMA = _preset(
+    "chroma",
+    "ChromaTransformer2DModel",
+    "Chroma transformer, FLUX.1-schnell pruned, an approximator for modulation (8.9B at full size)",
+    {
+        "tiny": dict(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                     joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=16,
+                     approximator_hidden_dim=32, approximator_layers=1),
+        # six single blocks: more than the memoization probe keeps (the small estimate checks its cut)
+        "small": dict(in_channels=64, num_layers=2, num_single_layers=6, attention_head_dim=64, num_attention_heads=8,
+                      joint_attention_dim=4096, axes_dims_rope=(8, 28, 28), approximator_num_channels=64,
+                      approximator_hidden_dim=512, approximator_layers=2),
+        # lodestones/Chroma transformer/config.json (diffusers' class defaults; lodestones/Chroma1-HD has the same)
+        "full": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
+                     approximator_num_channels=64, approximator_hidden_dim=5120, approximator_layers=5),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=512),  # the pipeline's default size and max_sequence_length
+    },
+    _chroma_inputs,
+    "lodestones/Chroma",
+)
+
+
+def _auraflow_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # AuraFlowPipeline: SDXL's VAE (8x, 4 channels), patches of 2 inside the model, Pile-T5 hidden states (2048 wide)
+    # padded to max_sequence_length (256), the timestep in [0, 1]. The position table is a square grid of
+    # pos_embed_max_size patches, centred on the image
+    p, side = cfg["patch_size"], math.isqrt(cfg["pos_embed_max_size"])
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    for key, extent in (("height", h), ("width", w)):
+        if extent // p > side:
+            raise ValueError(f"{key}={s[key]} exceeds the {side * p * 8} px the position embedding covers")
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["joint_attention_dim"]),
+        "timestep": make.timestep(b, scale=1.0),
+    }
+
+
+_AURAFLOW = _preset(
+    "auraflow",
+    "AuraFlowTransformer2DModel",
+    "AuraFlow v0.3 MMDiT (6.8B at full size)",
+    {
+        "tiny": dict(sample_size=4, patch_size=2, in_channels=4, out_channels=4, num_mmdit_layers=1,
+                     num_single_dit_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                     caption_projection_dim=32, pos_embed_max_size=256),
+        "small": dict(sample_size=32, patch_size=2, in_channels=4, out_channels=4, num_mmdit_layers=2,
+                      num_single_dit_layers=4, attention_head_dim=64, num_attention_heads=8, joint_attention_dim=2048,
+                      caption_projection_dim=512, pos_embed_max_size=1024),
+        # fal/AuraFlow-v0.3 transformer/config.json: diffusers' class defaults (its scripts/convert_aura_flow_to_
+        # diffusers.py builds the class with them) but the position table: 96x96 patches, v0.3's 1536 px sides
+        "full": dict(sample_size=64, patch_size=2, in_channels=4, out_channels=4, num_mmdit_layers=4,
+                     num_single_dit_layers=32, attention_head_dim=256, num_attention_heads=12,
+                     joint_attention_dim=2048, caption_projection_dim=3072, pos_embed_max_size=9216),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=256),  # the pipeline's defaults; max_sequence_length
+    },
+    _auraflow_inputs,
+    "fal/AuraFlow-v0.3",
+)
+
+
+def _cogview4_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # CogView4Pipeline: an 8x VAE of 16 channels, patches of 2 inside the model; GLM-4's hidden states (4096 wide) of
+    # the prompt as long as it is, left-padded to a multiple of 16 tokens; SDXL-like size conditions (original and
+    # target size, crop corner); the timestep on the scheduler's 0-1000 scale
+    p = cfg["patch_size"]
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    if s["text_len"] % 16:
+        raise ValueError(f"text_len={s['text_len']} must be a multiple of 16: the pipeline pads the prompt so")
+    size = torch.tensor([[s["height"], s["width"]]], dtype=make.dtype, device=make.device).repeat(b, 1)
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_embed_dim"]),
+        "timestep": make.timestep(b),
+        "original_size": size,
+        "target_size": size.clone(),
+        "crop_coords": make.full((b, 2), 0.0),
+    }
+
+
+_COGVIEW4 = _preset(
+    "cogview4",
+    "CogView4Transformer2DModel",
+    "CogView4-6B transformer (6.4B at full size; the 6B of its name)",
+    {
+        "tiny": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+                     num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+                     pos_embed_max_size=16, sample_size=4),
+        "small": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=6, attention_head_dim=64,
+                      num_attention_heads=8, text_embed_dim=4096, time_embed_dim=512, condition_dim=256,
+                      pos_embed_max_size=128, sample_size=32),
+        # THUDM/CogView4-6B transformer/config.json (diffusers' scripts/convert_cogview4_to_diffusers.py)
+        "full": dict(patch_size=2, in_channels=16, out_channels=16, num_layers=28, attention_head_dim=128,
+                     num_attention_heads=32, text_embed_dim=4096, time_embed_dim=512, condition_dim=256,
+                     pos_embed_max_size=128, sample_size=128, rope_axes_dim=(256, 256)),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=16),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=1024),  # the pipeline's defaults; max_sequence_length
+    },
+    _cogview4_inputs,
+    "THUDM/CogView4-6B",
+)
+
 # fmt: on
 
 _ALL = (
     _FLUX, _SD3, _SD35_LARGE, _SD35_MEDIUM, _LTX, _WAN, _WAN_1_3B, _WAN22_TI2V_5B, _WAN22_T2V_A14B, _HUNYUAN_VIDEO,
-    _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _SDXL, _PIXART, _DIT, _SANA, _QWEN_IMAGE,
+    _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _SDXL, _PIXART, _DIT, _SANA, _QWEN_IMAGE, _FLUX2, _CHROMA, _AURAFLOW, _COGVIEW4,
 )  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

@@ -12,6 +12,11 @@ def _run(model, inputs):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+# diffusers' Chroma passes no attention mask to its checkpointed single blocks (ChromaTransformer2DModel.forward): the
+# preset's mask is all ones, so the same attention by another SDPA path, equal to rounding
+ROUNDING = {"chroma": 1e-6}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_same_outputs_and_gradients_with_checkpointing(preset):
@@ -21,10 +26,11 @@ def test_same_outputs_and_gradients_with_checkpointing(preset):
     with memkit.Checkpointing(pattern="all").apply(model):
         assert model.is_gradient_checkpointing
         out, grads = _run(model, inputs)
-    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    tol = ROUNDING.get(preset, 0.0)
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
     assert grads.keys() == ref_grads.keys()
     for k in grads:
-        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=max(tol, 1e-6), atol=max(tol, 1e-7))
 
 
 def test_remove_restores_every_module_exactly():

@@ -229,7 +229,13 @@ def _split_layers(model):
 
 
 # the presets whose feed-forward layers are not diffusers' FeedForward: FFSplit refuses them, saying so
-NO_FEEDFORWARD = {"sana": "GLUMBConv"}
+NO_FEEDFORWARD = {
+    "sana": "GLUMBConv",
+    # Flux2FeedForward (linear_in, a parameterless SwiGLU, linear_out) is not diffusers' FeedForward, and the single
+    # blocks fuse their MLP into the attention's projections (to_qkv_mlp_proj, to_out)
+    "flux2-dev": "Flux2FeedForward",
+    "auraflow": "AuraFlowFeedForward",  # silu(linear_1(x)) * linear_2(x) -> out_projection: two input projections
+}
 
 
 @pytest.mark.parametrize("preset", sorted(NO_FEEDFORWARD))

@@ -33,6 +33,9 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "wan2.2-ti2v-5b": {"num_layers": 5},  # a timestep per token: per-token modulations in every block
     "sd3.5-large": {"num_layers": 5},  # QK norm
     "sd3.5-medium": {"num_layers": 5},  # its first block (only) with a second attention
+    "flux2-dev": {"num_layers": 5, "num_single_layers": 6},
+    "chroma": {"num_layers": 5, "num_single_layers": 6, "approximator_layers": 5},  # as released: 5 (not blocks)
+    "auraflow": {"num_mmdit_layers": 5, "num_single_dit_layers": 6},
 }
 
 
@@ -98,12 +101,22 @@ def test_every_preset_default_step(preset):
     assert_same(*both(deep(preset)))
 
 
-def test_a_refused_model_runs_every_block_and_says_why():
+@pytest.mark.parametrize("preset", ["qwen-image", "cogview4"])
+def test_a_refused_model_runs_every_block_and_says_why(preset):
     from memkit.presets import PRESETS
 
-    tl = memkit.estimate("qwen-image", size="tiny", progress=False)
+    tl = memkit.estimate(preset, size="tiny", progress=False)
     assert not tl.meta["memoized"] and "the splice does not reproduce" in tl.meta["memo"]
-    assert _memo.refused(PRESETS["qwen-image"].model_class) and _memo.refused("FluxTransformer2DModel") is None
+    assert _memo.refused(PRESETS[preset].model_class) and _memo.refused("FluxTransformer2DModel") is None
+
+
+@pytest.mark.slow  # ~20 s; the fast suite cuts Chroma's blocks through test_every_preset_default_step[chroma]
+def test_a_preset_with_layers_sized_by_its_block_counts_is_probed_from_the_whole_model_cut():
+    # Chroma's modulation table has a row per block modulation (its approximator runs each): a probe built with four
+    # blocks per list would shrink it; the whole model cut keeps it. Small Chroma has six single blocks.
+    kwargs = dict(size="small", height=64, width=64, text_len=8, progress=False)
+    assert_same(memkit.estimate("chroma", **kwargs), memkit.estimate("chroma", memoize=False, **kwargs))
+    assert _memo.cut_whole("ChromaTransformer2DModel") and not _memo.cut_whole("FluxTransformer2DModel")
 
 
 SETTINGS = {

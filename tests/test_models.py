@@ -40,6 +40,10 @@ PUBLISHED = {
     "sd3.5-large": 8.1e9,  # Stable Diffusion 3.5 Large model card, "8.1 billion parameters"
     "sd3.5-medium": 2.5e9,  # Stable Diffusion 3.5 Medium model card, "2.5 billion parameters"
     "sdxl": 2.6e9,  # SDXL paper (arXiv 2307.01952): "a 2.6B parameter UNet"
+    "flux2-dev": 32e9,  # FLUX.2-dev's model card: "a 32 billion parameter rectified flow transformer"
+    "chroma": 8.9e9,  # Chroma's model card: "an 8.9B parameter model based on FLUX.1-[schnell]"
+    "cogview4": 6e9,  # the "6B" of CogView4-6B's name and model card, see ROUNDED
+    "auraflow": 6.8e9,  # AuraFlow, "6.8B" (fal's AuraFlow blog post); v0.3's table has 6,858,605,568: within 1%
 }
 
 # Published counts that are a rounded name, not a measurement: the unit they are rounded to. diffusers' CogVideoX-2b
@@ -52,6 +56,10 @@ NAMED = {"wan2.1-1.3b": 0.1}
 # The SD3.5 checkpoints store the position table that diffusers keeps as a (persistent) buffer: the model cards
 # count it. SD3.5 Medium's 384x384 positions x 1536 are 226M of its 2.47B ("2.5 billion"; 2.24B without).
 COUNTS_POSITION_TABLE = {"sd3.5-large", "sd3.5-medium"}
+# diffusers' FLUX.2-dev transformer has 32,223,281,152: "32 billion" to the billion.
+ROUNDED |= {"flux2-dev": 1e9}
+# Chroma: 8,899,983,424, "8.9B" to the hundred million. CogView4-6B: 6,369,118,272, "6B" to the billion.
+ROUNDED |= {"chroma": 0.1e9, "cogview4": 1e9}
 # Published counts given to the parameter.
 EXACT = {"cogvideox-5b"}
 
@@ -88,6 +96,7 @@ PIXEL_STEP = {"flux": 16, "sd3": 16, "ltx-video": 32, "wan": 16, "unet": 8, "pix
 PIXEL_STEP |= {"hunyuanvideo": 16, "cogvideox-5b": 16, "cogvideox-2b": 16, "sana": 32, "qwen-image": 16}
 PIXEL_STEP |= {"wan2.1-1.3b": 16, "wan2.2-ti2v-5b": 32, "wan2.2-t2v-a14b": 16, "sd3.5-large": 16, "sd3.5-medium": 16}
 PIXEL_STEP |= {"sdxl": 8}
+PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16, "cogview4": 16}
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
 FRAME_STEP |= {"wan2.1-1.3b": 4, "wan2.2-ti2v-5b": 4, "wan2.2-t2v-a14b": 4}
 
@@ -95,7 +104,7 @@ FRAME_STEP |= {"wan2.1-1.3b": 4, "wan2.2-ti2v-5b": 4, "wan2.2-t2v-a14b": 4}
 def expected_output_shape(name: str, config, batch: int, height: int, width: int, frames: int = 1) -> tuple:
     """The output contract: the input latent's shape, with DiT/PixArt predicting a variance too (8 channels)."""
     h, w = height // 8, width // 8
-    if name == "flux":  # 2x2 latent pixels packed into one token
+    if name in ("flux", "flux2-dev", "chroma"):  # 2x2 latent pixels packed into one token
         return (batch, (h // 2) * (w // 2), config.in_channels)
     if name == "ltx-video":  # 32x spatial, 8x temporal VAE, tokens packed
         return (batch, ((frames - 1) // 8 + 1) * (height // 32) * (width // 32), config.out_channels)
@@ -144,6 +153,7 @@ def test_presets_cover_every_size_with_a_diffusers_class():
         "flux", "sd3", "sd3.5-large", "sd3.5-medium", "ltx-video", "wan", "wan2.1-1.3b", "wan2.2-ti2v-5b",
         "wan2.2-t2v-a14b", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "sdxl", "pixart", "dit", "sana",
         "qwen-image",
+        "flux2-dev", "chroma", "auraflow", "cogview4",
     ]  # fmt: skip
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
@@ -218,6 +228,10 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "sd3.5-large": (1, 16, 128, 128),
     "sd3.5-medium": (1, 16, 128, 128),
     "sdxl": (1, 4, 128, 128),
+    "flux2-dev": (1, 64 * 64, 128),  # 2x2 latent pixels of 32 channels per token
+    "chroma": (1, 64 * 64, 64),
+    "auraflow": (1, 4, 128, 128),
+    "cogview4": (1, 16, 128, 128),
 }
 
 
@@ -492,6 +506,8 @@ def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
         ("flux", {"height": 40}, "height"),
         ("sd3", {"width": 24}, "width"),
         ("sd3", {"height": 1024}, "height"),  # beyond the tiny position embedding
+        ("auraflow", {"width": 512}, "width=512 exceeds the 256 px"),  # a 16x16 table of positions
+        ("cogview4", {"text_len": 20}, "text_len=20 must be a multiple of 16"),
         ("ltx-video", {"width": 48}, "width"),
         ("ltx-video", {"frames": 10}, "frames"),
         ("wan", {"frames": 6}, "frames"),

@@ -90,7 +90,7 @@ def test_a_class_without_a_preset_is_refused_for_its_inputs_and_estimated_with_g
 
 
 def test_bad_names_get_clear_errors(tmp_path, offline):
-    with pytest.raises(ValueError, match=r"unknown model 'fluxx'.*did you mean flux\?"):
+    with pytest.raises(ValueError, match=r"unknown model 'fluxx'.*did you mean flux, flux2-dev\?"):
         naming.resolve("fluxx")
     with pytest.raises(ValueError, match="holds no config.json"):
         naming.resolve(tmp_path)

@@ -54,7 +54,11 @@ _MODES = ("hidden", "sequence")
 
 # Blocks whose MLP ff-split does not rewrite (its forward is not one it knows): the split leaves them whole, and
 # says so. HunyuanVideo's single-stream blocks run proj_mlp beside attention, but not as Flux's single block does.
-_UNSPLIT_BLOCKS = {"HunyuanVideoSingleTransformerBlock": "proj_mlp -> proj_out, fused with attention"}
+_UNSPLIT_BLOCKS = {
+    "HunyuanVideoSingleTransformerBlock": "proj_mlp -> proj_out, fused with attention",
+    # Flux's single block, but its own class (modulation from the approximator): its forward is not checked as Flux's
+    "ChromaSingleTransformerBlock": "proj_mlp -> proj_out, fused with attention",
+}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 

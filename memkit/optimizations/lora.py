@@ -73,6 +73,16 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     # finetrainers' docs/training/hunyuan_video.md (--target_modules to_q to_k to_v to_out.0); diffusers has no
     # HunyuanVideo LoRA script. The names also reach the token refiner's attention, as in finetrainers' count.
     "HunyuanVideoTransformer3DModel": ("to_k", "to_q", "to_v", "to_out.0"),
+    # train_dreambooth_lora_flux2.py: the attention projections, and the single blocks' fused QKV+MLP input and
+    # output projections (named block by block, as the script does: "to_out" alone is the double blocks' ModuleList)
+    "Flux2Transformer2DModel": (
+        "to_k",
+        "to_q",
+        "to_v",
+        "to_out.0",
+        "to_qkv_mlp_proj",
+        *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(48)),
+    ),
 }
 """Model class -> the modules diffusers' LoRA training script for that family targets by default. Classes not
 listed (Wan, LTX-Video, DiT) get :data:`ATTENTION`, the attention projections finetrainers and diffusers'
