@@ -1010,7 +1010,8 @@ _COGVIEW4 = _preset(
 
 _ALL = (
     _FLUX, _SD3, _SD35_LARGE, _SD35_MEDIUM, _LTX, _WAN, _WAN_1_3B, _WAN22_TI2V_5B, _WAN22_T2V_A14B, _HUNYUAN_VIDEO,
-    _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _SDXL, _PIXART, _DIT, _SANA, _QWEN_IMAGE, _FLUX2, _CHROMA, _AURAFLOW, _COGVIEW4,
+    _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _SDXL, _PIXART, _DIT, _SANA, _QWEN_IMAGE, _FLUX2, _CHROMA, _AURAFLOW,
+    _COGVIEW4,
 )  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""
