@@ -54,8 +54,8 @@ def test_estimate_with_a_callable_and_custom_inputs():
 
 
 def test_estimate_bad_input():
-    with pytest.raises(ValueError, match="presets"):
-        estimate_cpu("sdxl")
+    with pytest.raises(ValueError, match=r"unknown model 'sdxl-turbo-x'.*presets: flux"):
+        estimate_cpu("sdxl-turbo-x")
     with pytest.raises(ValueError, match="mode"):
         estimate_cpu("flux", size="tiny", mode="train")
     with pytest.raises(ValueError, match="steps"):
