@@ -45,8 +45,8 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
 	$(MAKE) --no-print-directory $(COLAB_STAMP) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
-	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not preset_matrix" -n $(TEST_WORKERS) \
-		--durations=15 \
+	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not extended" -n $(TEST_WORKERS) \
+		--dist worksteal --durations=15 \
 	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax -n $(TEST_WORKERS) --dist loadfile notebooks \
 	&& { wait $$colab || { tail -50 $(COLAB_VENV).log; echo "creating $(COLAB_VENV) failed"; exit 1; }; }
 	$(MAKE) browser-test colab-test
@@ -58,12 +58,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not slow" -n $(TEST_WORKERS) --durations=15
 
-# The slow suites' cases for the presets beyond tests/conftest.py's CORE_PRESETS (the `preset_matrix` marker): every
-# preset trained in every setting, ~1-2 minutes per preset; `make test` runs the core presets' cases and every
-# preset's fast contract.
-.PHONY: test-presets
-test-presets: $(STAMP)
-	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m preset_matrix -n $(TEST_WORKERS) --durations=15
+# The extended tier (the `extended` marker, tests/conftest.py): the slow suites' cases for the presets beyond
+# CORE_PRESETS (every preset trained in every setting, ~1-2 minutes per preset), and cases that repeat a CI case at a
+# larger size; `make test` runs the core presets' cases and every preset's fast contract, within CI's 20 minutes.
+.PHONY: test-extended
+test-extended: $(STAMP)
+	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m extended -n $(TEST_WORKERS) --durations=15
 
 # Line coverage of memkit by the unit tests (pytest-cov; the missed lines listed). Slower than `make test`'s run.
 .PHONY: coverage

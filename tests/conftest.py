@@ -4,17 +4,26 @@ import torch
 # The slow suites train every preset in many settings (offload equality over three steps, checkpointing with every
 # provider, the tracker against the profiler, every input size): minutes per preset. Their cases run in `make test`
 # (and CI) for these presets, the seven the suites were written with, one per code path they test; a slow case for
-# any other preset is marked `preset_matrix` and runs in `make test-presets`. Every preset keeps its fast contract in
+# any other preset is marked `extended` and runs in `make test-extended`. Every preset keeps its fast contract in
 # `make test`: built at each size, shapes, gradients, parameter counts, LoRA counts against peft, its tiny estimate
 # against the tracked run, block memoization.
 CORE_PRESETS = frozenset({"flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit"})
 
 
+# Presets whose config has a core preset's keys and code path, only other sizes (an A14B expert's config is Wan 2.1
+# 14B's): their fast memoization case is the core preset's, so it runs in the extended tier too.
+SIZE_VARIANTS = frozenset({"wan2.1-1.3b", "wan2.2-t2v-a14b"})
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         preset = getattr(getattr(item, "callspec", None), "params", {}).get("preset")
-        if item.get_closest_marker("slow") and isinstance(preset, str) and preset not in CORE_PRESETS:
-            item.add_marker(pytest.mark.preset_matrix)
+        if not isinstance(preset, str):
+            continue
+        slow_elsewhere = item.get_closest_marker("slow") and preset not in CORE_PRESETS
+        same_path = preset in SIZE_VARIANTS and item.originalname == "test_every_preset_default_step"
+        if slow_elsewhere or same_path:
+            item.add_marker(pytest.mark.extended)
 
 
 @pytest.fixture(autouse=True)
