@@ -5,7 +5,7 @@ compare optimizations side by side (peak by category, time, output and gradient 
 
 The house: measure (``memory/``: tracker, Timeline, snapshots) → optimize (``optimizations/``: one file each,
 and the registry) → run (``step.py``: the one step; ``comparison.py``, ``estimation.py``) → show (``plots.py``,
-``cli/``). Models and their inputs come from ``presets.py`` and ``models.py``.
+``cli/``). Models and their inputs come from ``presets/`` and ``models.py``.
 
 Names are imported on first use, so ``import memkit.plots`` or ``memkit.Timeline`` does not load torch and
 diffusers.
