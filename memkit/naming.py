@@ -94,10 +94,15 @@ def resolve(name: str | os.PathLike) -> ModelRef:
     raise ValueError(_unknown(text))
 
 
-def _unknown(text: str) -> str:
+def _close_names(text: str) -> list[str]:
+    """The presets' names and hub ids closest to ``text`` (case-insensitive), best first."""
     names = list(PRESETS) + [p.hub_id for p in PRESETS.values() if p.hub_id]
     lowered = {n.lower(): n for n in names}
-    close = [lowered[m] for m in difflib.get_close_matches(text.lower(), list(lowered), n=4, cutoff=0.5)]
+    return [lowered[m] for m in difflib.get_close_matches(text.lower(), list(lowered), n=4, cutoff=0.5)]
+
+
+def _unknown(text: str) -> str:
+    close = _close_names(text)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return (
         f"unknown model {text!r}: not a preset, a preset's hub id, a folder or a config.json{hint} "
@@ -164,7 +169,7 @@ def _from_hub(repo_id: str) -> ModelRef:
         except offline:
             if local and sub is not _SUBFOLDERS[-1]:
                 continue  # the cache may hold another subfolder's
-            close = _unknown(repo_id).partition("; did you mean ")[2].partition("?")[0]
+            close = ", ".join(_close_names(repo_id))
             raise ValueError(
                 f"{repo_id} is not a preset's hub id, and its config.json is not in the hub's cache: memkit needs "
                 "the network once to download that one file (never the weights); or pass a local config.json"
