@@ -18,12 +18,13 @@ SIZE_VARIANTS = frozenset({"wan2.1-1.3b", "wan2.2-t2v-a14b"})
 def pytest_collection_modifyitems(config, items):
     for item in items:
         preset = getattr(getattr(item, "callspec", None), "params", {}).get("preset")
-        if not isinstance(preset, str):
-            continue
-        slow_elsewhere = item.get_closest_marker("slow") and preset not in CORE_PRESETS
-        same_path = preset in SIZE_VARIANTS and item.originalname == "test_every_preset_default_step"
-        if slow_elsewhere or same_path:
-            item.add_marker(pytest.mark.extended)
+        if isinstance(preset, str):
+            slow_elsewhere = item.get_closest_marker("slow") and preset not in CORE_PRESETS
+            same_path = preset in SIZE_VARIANTS and item.originalname == "test_every_preset_default_step"
+            if slow_elsewhere or same_path:
+                item.add_marker(pytest.mark.extended)
+        if item.get_closest_marker("extended") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)  # the extended tier is slower still: `make test-fast` leaves it out
 
 
 @pytest.fixture(autouse=True)

@@ -139,8 +139,8 @@ SETTINGS = {
 
 
 # The splice is the same code for every preset (each preset's blocks are checked by the default step above): the
-# fast set runs each setting once, Flux (two block lists) for most, Wan and LTX-Video (one list each) for the rest;
-# `make test` runs every pair.
+# fast set (and CI's `make test`) runs each setting once, Flux (two block lists) for most, Wan and LTX-Video (one
+# list each) for the rest; `make test-extended` runs every other pair (~6 s each).
 FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "inference": "ltx-video",
                "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video",
                "dora-checkpointing": "wan", "fused-backward": "wan", "grad-accum-2": "wan"}  # fmt: skip
@@ -148,7 +148,7 @@ FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "
 
 def _pairs_of(presets, settings, fast):
     return [
-        pytest.param(p, s, marks=() if (p, s) in fast else pytest.mark.slow, id=f"{p}-{s}")
+        pytest.param(p, s, marks=() if (p, s) in fast else pytest.mark.extended, id=f"{p}-{s}")
         for p in presets
         for s in settings
     ]
@@ -273,10 +273,16 @@ def test_a_probe_that_does_not_split_falls_back(monkeypatch):
     "preset, kwargs",
     [
         ("flux", {}),
-        ("flux", dict(optimizations=[memkit.Checkpointing()])),
-        ("wan", dict(optimizations=[memkit.FFSplit(splits=4)])),
-        ("ltx-video", dict(optimizations=[memkit.Checkpointing(provider="selective"), memkit.FFSplit(splits=2)])),
         ("wan", dict(parallel=memkit.FSDP(world_size=8))),
+        # the settings below are spliced at a smaller depth in test_every_setting (in CI); at full size, in
+        # `make test-extended` (~20 s each)
+        pytest.param("flux", dict(optimizations=[memkit.Checkpointing()]), marks=pytest.mark.extended),
+        pytest.param("wan", dict(optimizations=[memkit.FFSplit(splits=4)]), marks=pytest.mark.extended),
+        pytest.param(
+            "ltx-video",
+            dict(optimizations=[memkit.Checkpointing(provider="selective"), memkit.FFSplit(splits=2)]),
+            marks=pytest.mark.extended,
+        ),
     ],
 )
 def test_full_size(preset, kwargs):

@@ -330,8 +330,16 @@ def test_an_estimate_of_tiny_flux_equals_the_real_tracked_run(name):
     )
 
 
+# In CI: one optimizer per state layout (fp32 moments, bitsandbytes' 8-bit blocks, paged host moments, factored
+# rows and columns); the others in `make test-extended` (~10-25 s each at full size). Their state at tiny size is
+# checked against the library in CI (test_state_after_one_real_step_is_what_the_library_keeps).
+FULL_SIZE_CI = {"adamw", "adamw8bit", "paged-adamw8bit", "came"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize(
+    "name", [n if n in FULL_SIZE_CI else pytest.param(n, marks=pytest.mark.extended) for n in OPTIMIZERS]
+)
 def test_a_full_size_estimate_keeps_the_documented_state(name):
     # full Flux in bf16 on a GPU: the state at the steady step's start is the documented layout of every
     # parameter, each storage rounded to the allocator's 512-byte blocks; paged moments in host memory
@@ -347,7 +355,9 @@ def test_a_full_size_estimate_keeps_the_documented_state(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["adamw8bit", "prodigy", "came", "adafactor"])
+@pytest.mark.parametrize(
+    "name", ["adamw8bit", "came", *(pytest.param(n, marks=pytest.mark.extended) for n in ("prodigy", "adafactor"))]
+)
 def test_a_memoized_estimate_equals_running_every_block(name):
     from test_memo import assert_same, both, deep
 
