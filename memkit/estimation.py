@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from tqdm.auto import tqdm
 
 from . import _memo, _splice
@@ -47,7 +48,7 @@ from .memory.placement import note_disk_memory, note_host_memory, noted_in_host,
 from .memory.recording import _owned_of, track
 from .memory.timeline import Timeline
 from .models import _build, _default_dtype, config_preset, load_model, make_inputs
-from .naming import resolve
+from .naming import resolve, unestimable
 from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order, split_parallel
 from .step import OPTIMIZERS, Step
 
@@ -174,6 +175,10 @@ def estimate(
     ``"gradient"``, ``"optimizer_state"``, ``"temporary"``), ``disk_bytes`` (weights ``Offload(to="disk")``
     keeps on disk), ``memoized`` and ``memo`` (see ``memoize``) and the seconds the estimate took.
 
+    A model whose forward sizes a tensor by the values of another (a mixture of experts routing tokens: HiDream-I1)
+    is a NotImplementedError that says so: fake tensors hold no values, and the real memory follows them
+    (:func:`memkit.compare` measures a real step).
+
     Example:
         >>> tl = memkit.estimate("flux", optimizations=[memkit.Checkpointing()])   # bf16 AdamW on a GPU
         >>> tl.peak_bytes / 2**30, tl.meta["first_step_peak_bytes"], tl.meta["steady_peak_bytes"]
@@ -201,6 +206,12 @@ def estimate(
     key_model = model
     if isinstance(model, (str, os.PathLike)):
         ref = resolve(model)  # a preset, its hub id, a folder, a config.json, a hub id: ValueError otherwise
+        why = unestimable(ref.class_name)
+        if why is not None:
+            raise NotImplementedError(
+                f"{os.fspath(model)} is a {ref.class_name}, which memkit cannot estimate: {why}; measure a real step "
+                "with memkit.compare"
+            )
         if ref.preset is None and size != "full":
             raise ValueError(
                 f"size={size!r} applies to presets; {os.fspath(model)} is a config, one size (its own): leave "
@@ -326,6 +337,26 @@ def estimate(
     return timeline
 
 
+def _sized_by_values(measure):
+    """``measure`` with fake mode's error for an op whose output size depends on its input's values (``aten.nonzero``
+    under boolean-mask indexing, ``aten.bincount``: a mixture of experts routing tokens) turned into one that says why
+    no estimate is made: fake tensors hold no values, and the real memory follows them."""
+
+    @functools.wraps(measure)
+    def measured(**kwargs):
+        try:
+            return measure(**kwargs)
+        except DynamicOutputShapeException as e:
+            raise NotImplementedError(
+                f"{kwargs['label']} cannot be estimated: its forward sizes a tensor by the values of another "
+                f"({e.func}, as boolean-mask indexing or a mixture of experts routing tokens does); fake tensors hold "
+                "no values, and the real step's memory follows them: measure a real step with memkit.compare"
+            ) from e
+
+    return measured
+
+
+@_sized_by_values
 def _measure(
     *, model_fn, inputs, step, optimizations, dtype, batch_size, device, seed, parallel, progress, label, sizes,
     memoize, lengths=None,

@@ -35,7 +35,15 @@ from typing import Any
 
 from .presets import PRESETS
 
-__all__ = ["ClassSupport", "ModelRef", "diffusers_classes", "preset_parameters", "resolve", "support_table"]
+__all__ = [
+    "ClassSupport",
+    "ModelRef",
+    "diffusers_classes",
+    "preset_parameters",
+    "resolve",
+    "support_table",
+    "unestimable",
+]
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _SUBFOLDERS = ("transformer", "unet", None)  # a pipeline's denoiser, then a model repository
@@ -187,6 +195,28 @@ def _from_hub(repo_id: str) -> ModelRef:
 # ----------------------------------------------------------------------------------------------- what is supported
 
 
+# Classes no inputs make estimable: each one's cell in the support table, and the whole reason.
+_UNESTIMABLE: dict[str, tuple[str, str]] = {
+    "HiDreamImageTransformer2DModel": (
+        "its MoE routing sizes tensors by value",
+        "HiDream-I1's mixture-of-experts feed-forward hands each expert the tokens its router picked (boolean-mask "
+        "indexing, aten.nonzero, in training mode; aten.bincount in force_inference_output mode, which diffusers' "
+        "LoRA script uses): tensor sizes follow the values, which fake tensors do not hold, and so does the real "
+        "step's memory",
+    ),
+}
+
+
+def unestimable(class_name: str) -> str | None:
+    """Why no estimate of a ``class_name`` model can be made, whatever its inputs, or None.
+
+    Example:
+        >>> unestimable("HiDreamImageTransformer2DModel")            # "HiDream-I1's mixture-of-experts ..."
+    """
+    reason = _UNESTIMABLE.get(class_name)
+    return reason[1] if reason else None
+
+
 def _is_denoiser(name: str) -> bool:
     return name.endswith(("Transformer2DModel", "Transformer3DModel")) or name.startswith("UNet")
 
@@ -208,6 +238,8 @@ class ClassSupport:
     """True: memkit builds its inputs (a preset has the class), so any config of it can be estimated."""
     why: str
     """How it is supported, or the named reason it is refused."""
+    refused: str = ""
+    """Why, in a few words (``"no input builder"``), for a refused class; empty for a supported one."""
 
 
 def diffusers_classes() -> list[ClassSupport]:
@@ -228,14 +260,19 @@ def diffusers_classes() -> list[ClassSupport]:
         presets = tuple(by_class.get(name, ()))
         video = name.endswith("3DModel") or any("frames" in PRESETS[p].input_sizes["full"] for p in presets)
         kind = "video" if video else "image" if name.endswith("2DModel") or "UNet2D" in name else "other"
+        refused = ""
         if presets:
             why = f"preset {', '.join(presets)}; any config of the class is estimated with its inputs"
+        elif name in _UNESTIMABLE:
+            refused, reason = _UNESTIMABLE[name]
+            why = f"refused: {reason}; measure a real step with memkit.compare"
         else:
+            refused = "no input builder"
             why = (
                 "refused: no preset has this class, so memkit cannot build its forward's inputs; estimate it with "
                 "memkit.estimate(config_json, inputs=lambda model: {...})"
             )
-        out.append(ClassSupport(name, presets, kind, bool(presets), why))
+        out.append(ClassSupport(name, presets, kind, bool(presets), why, refused))
     return out
 
 
@@ -265,6 +302,10 @@ def support_table() -> str:
     """
     rows = ["| class | kind | memkit |", "|---|---|---|"]
     for c in diffusers_classes():
-        status = f"preset `{'`, `'.join(c.presets)}`" if c.supported else "refused: no input builder (pass `inputs=`)"
+        if c.supported:
+            status = f"preset `{'`, `'.join(c.presets)}`"
+        else:
+            status = f"refused: {c.refused} " + ("(measure with `compare`)" if c.class_name in _UNESTIMABLE else
+                                                 "(pass `inputs=`)")  # fmt: skip
         rows.append(f"| `{c.class_name}` | {c.kind} | {status} |")
     return "\n".join(rows)

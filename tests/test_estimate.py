@@ -64,6 +64,54 @@ def test_estimate_bad_input():
         estimate_cpu("flux", size="tiny", device="tpu")
 
 
+# HiDream-I1 at a tiny size (the shape of diffusers' own HiDream tests), 4 experts of which the router picks 2 per token
+HIDREAM_TINY = dict(
+    patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+    num_attention_heads=2, caption_channels=[16, 16], text_emb_dim=16, num_routed_experts=4, num_activated_experts=2,
+    axes_dims_rope=(4, 2, 2), max_resolution=(16, 16), llama_layers=[0, 1],
+)  # fmt: skip
+
+
+def hidream_inputs(model, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {  # what HiDreamImagePipeline passes: latents, T5's states, a stack of Llama layers, CLIP's pooled pair
+        "hidden_states": torch.randn(1, 4, 32, 32, generator=g),
+        "timesteps": torch.rand(1, generator=g) * 1000,
+        "encoder_hidden_states_t5": torch.randn(1, 8, 16, generator=g),
+        "encoder_hidden_states_llama3": torch.randn(2, 1, 8, 16, generator=g),
+        "pooled_embeds": torch.randn(1, 16, generator=g),
+    }
+
+
+@pytest.mark.parametrize(("force_inference_output", "op"), [(False, "nonzero"), (True, "bincount")])
+def test_a_forward_that_sizes_tensors_by_values_is_refused_naming_the_op(force_inference_output, op):
+    from diffusers import HiDreamImageTransformer2DModel
+
+    def model_fn():
+        return HiDreamImageTransformer2DModel(**HIDREAM_TINY, force_inference_output=force_inference_output)
+
+    with pytest.raises(
+        NotImplementedError, match=rf"aten\.{op}\.default.*fake tensors hold no values.*memkit\.compare"
+    ):
+        estimate_cpu(model_fn, hidream_inputs)
+
+
+def test_the_real_memory_of_a_mixture_of_experts_follows_its_routing():
+    # why the estimate above is refused, not guessed: the same shapes, other weights and inputs, other experts' token
+    # counts, so other allocations and, in the CUDA allocator's 512-byte blocks, other peaks
+    from diffusers import HiDreamImageTransformer2DModel
+
+    peaks = set()
+    for seed in range(5):
+        torch.manual_seed(seed)
+        model = HiDreamImageTransformer2DModel(**HIDREAM_TINY)
+        inputs = hidream_inputs(model, seed)
+        with memkit.track(model, inputs=inputs, alloc_granularity=512) as tl:
+            memkit.train_step(model, inputs, None)
+        peaks.add(tl.peak_bytes)
+    assert len(peaks) > 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(memkit.PRESETS))
 def test_estimate_equals_real_tracked_peak_for_every_small_preset(preset):

@@ -50,6 +50,21 @@ def test_trainable_count_equals_peft_on_every_preset(preset, size):
         assert est.meta["trainable_parameters"] == want
 
 
+def test_hidream_gets_its_scripts_targets_though_no_preset_has_it():
+    # train_dreambooth_lora_hidream.py's default: HiDream's to_out is a Linear (ATTENTION's "to_out.0" matches
+    # nothing), and "to_out" leaves the text stream's to_out_t alone
+    from diffusers import HiDreamImageTransformer2DModel
+    from test_estimate import HIDREAM_TINY
+
+    model = HiDreamImageTransformer2DModel(**HIDREAM_TINY)
+    assert default_targets(model) == ("to_k", "to_q", "to_v", "to_out")
+    want = peft_count(HiDreamImageTransformer2DModel(**HIDREAM_TINY), 4, default_targets(model))
+    with LoRA(rank=4).apply(model):
+        adapted = {n.split(".lora_A")[0].rsplit(".", 1)[1] for n, _ in model.named_parameters() if ".lora_A." in n}
+        got = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapted == {"to_k", "to_q", "to_v", "to_out"} and got == want > 0
+
+
 @pytest.mark.parametrize("preset", ["flux", "wan"])
 def test_full_size_counts_equal_peft_on_the_meta_device(preset):
     # the estimate builds a probe of four blocks per list and scales the counts: peft on the whole meta model

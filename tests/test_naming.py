@@ -89,6 +89,31 @@ def test_a_class_without_a_preset_is_refused_for_its_inputs_and_estimated_with_g
     assert params > 0 and tl.peak_bytes > params * 2 * 4  # bf16 weights, gradients and AdamW's two moments
 
 
+def test_hidream_is_refused_for_its_expert_routing_whatever_its_inputs(tmp_path, capsys):
+    # its mixture of experts sizes each expert's tokens by the router's choices (tests/test_estimate.py runs both modes)
+    config = dict(patch_size=2, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                  num_attention_heads=2, caption_channels=[16, 16], text_emb_dim=16, axes_dims_rope=[4, 2, 2],
+                  llama_layers=[0, 1])  # fmt: skip
+    file = write_config(tmp_path, config, "HiDreamImageTransformer2DModel")
+    pattern = r"HiDreamImageTransformer2DModel, which memkit cannot estimate: .*aten\.nonzero.*memkit\.compare"
+    with pytest.raises(NotImplementedError, match=pattern):
+        memkit.estimate(file, inputs=lambda model: {}, progress=False)
+    (row,) = [c for c in naming.diffusers_classes() if c.class_name == "HiDreamImageTransformer2DModel"]
+    assert (
+        not row.supported
+        and row.refused == "its MoE routing sizes tensors by value"
+        and row.why.startswith("refused: HiDream-I1's mixture-of-experts")
+    )
+    cell = "refused: its MoE routing sizes tensors by value (measure with `compare`)"
+    assert f"| `HiDreamImageTransformer2DModel` | image | {cell} |" in naming.support_table()
+    assert naming.unestimable("FluxTransformer2DModel") is None
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^\s+HiDreamImageTransformer2DModel\s+image\s+refused: its MoE routing sizes tensors by value$", out, re.M
+    )
+
+
 def test_bad_names_get_clear_errors(tmp_path, offline):
     with pytest.raises(ValueError, match=r"unknown model 'fluxx'.*did you mean flux, flux2-dev\?"):
         naming.resolve("fluxx")

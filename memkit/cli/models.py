@@ -52,10 +52,11 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\ndiffusers {diffusers.__version__}: {len(classes)} transformer and UNet classes; memkit builds the inputs "
         "of "
-        f"{len(supported)} (the presets' classes: any config.json of those is estimated), and refuses the others, "
-        "whose inputs it cannot build (memkit.estimate(config, inputs=...) takes them):"
+        f"{len(supported)} (the presets' classes: any config.json of those is estimated), and refuses the others: "
+        "those whose inputs it cannot build (memkit.estimate(config, inputs=...) takes them), and those whose memory "
+        "no estimate can hold (the reason in their row):"
     )
-    rows = [(c.class_name, c.kind, "preset " + ", ".join(c.presets) if c.supported else "refused: no input builder")
+    rows = [(c.class_name, c.kind, "preset " + ", ".join(c.presets) if c.supported else f"refused: {c.refused}")
             for c in classes]  # fmt: skip
     print(_columns([("class", "kind", "memkit"), *rows]))
     return 0

@@ -83,6 +83,10 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
         "to_qkv_mlp_proj",
         *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(48)),
     ),
+    # train_dreambooth_lora_hidream.py (its default without --lora_layers): HiDream's to_out is a Linear, not a
+    # ModuleList, and peft matches "to_out" to the image stream's projection alone (not to_out_t). memkit has no
+    # HiDream preset (memkit.naming: no estimate of it), but compare measures it with these.
+    "HiDreamImageTransformer2DModel": ("to_k", "to_q", "to_v", "to_out"),
 }
 """Model class -> the modules diffusers' LoRA training script for that family targets by default. Classes not
 listed (Wan, LTX-Video, DiT) get :data:`ATTENTION`, the attention projections finetrainers and diffusers'
