@@ -44,7 +44,8 @@ PUBLISHED = {
     "chroma": 8.9e9,  # Chroma's model card: "an 8.9B parameter model based on FLUX.1-[schnell]"
     "cogview4": 6e9,  # the "6B" of CogView4-6B's name and model card, see ROUNDED
     "auraflow": 6.8e9,  # AuraFlow, "6.8B" (fal's AuraFlow blog post); v0.3's table has 6,858,605,568: within 1%
-    # LTX-2 paper (arXiv 2601.03233) and model card: "19B", a 14B video stream and a 5B audio stream
+    # LTX-2 paper (arXiv 2601.03233): "a 14B-parameter video stream and a 5B-parameter audio stream"; the 19B of its
+    # checkpoints' names (ltx-2-19b-dev)
     "ltx-2": 19e9,
 }
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ._base import _latent, _latent_frames, _Maker, _preset
 
 
@@ -59,10 +61,10 @@ def _ltx2_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> di
     # LTX2Pipeline: the video VAE's 32x spatial, 8x temporal latents of 128 channels, packed into tokens; the audio
     # VAE's latent (8 channels x 64/4 mel bins, packed to 128 features) one token per 4 mel frames of 160 samples at
     # 16 kHz, as long as the video at the pipeline's 24 fps; the text connectors' outputs (the prompt padded to
-    # max_sequence_length, every position filled: registers replace the padding, so the mask is all ones), one for
-    # each stream; the timestep on the scheduler's 0-1000 scale, shared by both streams. The pipeline also passes
-    # video_coords and audio_coords: the rotary positions that transformer.rope makes from these same sizes and fps,
-    # which the forward makes itself when they are left out (float32 whatever the model's dtype).
+    # max_sequence_length, every position filled: registers replace the padding, so their int64 mask is all ones),
+    # one for each stream; the timestep on the scheduler's 0-1000 scale, shared by both streams. The pipeline also
+    # passes video_coords and audio_coords: the rotary positions that transformer.rope makes from these same sizes and
+    # fps, which the forward makes itself when they are left out (float32 whatever the model's dtype).
     p, pt = cfg["patch_size"], cfg["patch_size_t"]
     h, w = _latent(s, "height", 32, p) // p, _latent(s, "width", 32, p) // p
     f = _latent_frames(s, 8)
@@ -77,14 +79,15 @@ def _ltx2_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> di
     fps = 24.0  # the pipeline's frame_rate
     per_second = cfg["audio_sampling_rate"] / cfg["audio_hop_length"] / cfg["audio_scale_factor"]
     audio_frames = round(s["frames"] / fps * per_second)
+    mask = torch.ones((b, s["text_len"]), dtype=torch.int64, device=make.device)
     return {
         "hidden_states": make.randn(b, f * h * w, cfg["in_channels"]),
         "audio_hidden_states": make.randn(b, audio_frames, cfg["audio_in_channels"]),
         "encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
         "audio_encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
         "timestep": make.timestep(b),
-        "encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
-        "audio_encoder_attention_mask": make.full((b, s["text_len"]), 1.0),
+        "encoder_attention_mask": mask,
+        "audio_encoder_attention_mask": mask,  # the pipeline passes the one mask twice
         "num_frames": f,
         "height": h,
         "width": w,
