@@ -137,6 +137,7 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
     "FluxTransformer2DModel": {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
     "SD3Transformer2DModel": {"transformer_blocks": "num_layers"},
     "LTXVideoTransformer3DModel": {"transformer_blocks": "num_layers"},
+    "LTX2VideoTransformer3DModel": {"transformer_blocks": "num_layers"},
     "WanTransformer3DModel": {"blocks": "num_layers"},
     "HunyuanVideoTransformer3DModel": {
         "transformer_blocks": "num_layers",

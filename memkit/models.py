@@ -2,8 +2,8 @@
 and make the inputs of its forward.
 
 Every measurement in memkit needs a model and inputs of the right shapes. The presets (`memkit.presets`) build
-the diffusers classes behind Flux, SD3 and SD3.5, LTX-Video, Wan 2.1 and 2.2, HunyuanVideo, CogVideoX (5b, 2b), the
-SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana and Qwen-Image from configs:
+the diffusers classes behind Flux, SD3 and SD3.5, LTX-Video, LTX-2, Wan 2.1 and 2.2, HunyuanVideo, CogVideoX (5b, 2b),
+the SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana and Qwen-Image from configs:
 
 - ``tiny``: two blocks and a few hundred thousand parameters, so tests run a full step in milliseconds;
 - ``small``: 30-100M parameters, enough for timings and memory curves that mean something on a laptop;
@@ -13,9 +13,10 @@ SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana and Qwen-Image from configs:
 
 ``make_inputs`` gives every keyword the forward needs, in the model's dtype and on its device, at realistic
 sizes for the preset size (full: 1024x1024 images for Flux, SD3, SD3.5, SDXL and PixArt; 512x512 for the SD1.5
-UNet; 256x256 for DiT; 480x704 px x 41 frames for LTX-Video; 480x832 px x 17 frames for Wan, x 81 frames (the
-pipeline's default) for Wan2.1-1.3B and the Wan2.2 A14B expert, 704x1280 px x 121 frames for Wan2.2-TI2V-5B;
-512x768 px x 49 frames for HunyuanVideo and 480x720 px x 49 frames for CogVideoX, as finetrainers' memory tables).
+UNet; 256x256 for DiT; 480x704 px x 41 frames for LTX-Video, 512x768 px x 121 frames (and their 5 s of audio) for
+LTX-2 (the pipeline's defaults); 480x832 px x 17 frames for Wan, x 81 frames (the pipeline's default) for Wan2.1-1.3B
+and the Wan2.2 A14B expert, 704x1280 px x 121 frames for Wan2.2-TI2V-5B; 512x768 px x 49 frames for HunyuanVideo
+and 480x720 px x 49 frames for CogVideoX, as finetrainers' memory tables).
 """
 
 from __future__ import annotations
@@ -324,8 +325,9 @@ def make_inputs(model: torch.nn.Module, *, batch_size: int = 1, seed: int = 0, *
 
     Sizes are in pixels and tokens, as a user thinks of them: ``height``, ``width`` (pixels; the latent is
     what the preset's VAE makes of them, /8 or /32 for LTX-Video, and must split into whole patches),
-    ``frames`` (video presets; 4k+1 for Wan, HunyuanVideo and CogVideoX, 8k+1 for LTX-Video) and ``text_len``
-    (text tokens; not for DiT; exactly 226 for CogVideoX-2b, whose position table follows the padded T5 prompt).
+    ``frames`` (video presets; 4k+1 for Wan, HunyuanVideo and CogVideoX, 8k+1 for LTX-Video and LTX-2, whose audio
+    is as long as the video at 24 fps) and ``text_len`` (text tokens; not for DiT; exactly 226 for CogVideoX-2b,
+    whose position table follows the padded T5 prompt; a multiple of 128 for LTX-2, its text connectors' registers).
     Defaults follow the size the model was built at (see ``PRESETS[name].input_sizes``); a model loaded from a
     folder that matches no preset config gets the full-size defaults. Float tensors are in the model's dtype
     and on its device; the global RNG is untouched; works inside ``FakeTensorMode``. The output is requested as

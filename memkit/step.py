@@ -9,7 +9,8 @@ applied optimizations do once per step (an EMA update, an offload write-back), t
 
 The loss is ``mean(output ** 2)`` in float32: a stand-in for the diffusion loss with the same memory shape
 (activations kept for backward, one gradient per parameter) without needing targets. It is computed in the
-``forward`` phase, so the float32 copy of the output that the backward keeps counts as an activation.
+``forward`` phase, so the float32 copy of the output that the backward keeps counts as an activation. A model that
+denoises two streams at once (LTX-2: video and audio) gets a term per prediction, summed, as its trainers do.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ def model_output(out: Any) -> torch.Tensor:
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TypeError(f"cannot find the output tensor in a {type(out).__name__}")
+
+
+def _predictions(out: Any) -> list[torch.Tensor]:
+    """`model_output`'s tensor, then the other tensors of a tuple or an output object: the second stream's prediction
+    of a model that denoises two at once (LTX-2's audio, ``audio_sample``). Every other preset returns one."""
+    first = model_output(out)
+    if isinstance(out, Mapping):  # diffusers' BaseOutput is an OrderedDict
+        rest = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        rest = list(out)
+    else:
+        rest = []
+    return [first, *(t for t in rest if isinstance(t, torch.Tensor) and t is not first)]
 
 
 def check_inputs(model: torch.nn.Module, inputs: Any) -> None:
@@ -112,11 +126,14 @@ def _run(
         for _ in range(grad_accum):  # micro-batches: each backward adds into the gradients the last one left
             # autocast around the forward only (as accelerate wraps model.forward): its cast cache ends with it
             with forward:
-                out = model_output(model(**inputs))
+                out, *others = _predictions(model(**inputs))
             if on_output is not None:
                 on_output(out)
             with phase("forward"):  # the loss belongs to the forward: what backward keeps of it is an activation
                 micro = out.float().pow(2).mean()
+                for other in others:  # LTX-2's audio: its own term, as its trainer's audio loss
+                    micro = micro + other.float().pow(2).mean()
+                del others
                 if grad_accum > 1:  # as accelerate scales it: the summed gradients are the mean over micro-batches
                     micro = micro / grad_accum
                 scaled = scaler.scale(micro) if scaler is not None else micro

@@ -23,6 +23,7 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "flux": {"num_layers": 5, "num_single_layers": 6},
     "sd3": {"num_layers": 5},
     "ltx-video": {"num_layers": 5},
+    "ltx-2": {"num_layers": 5},  # two streams per block, a prediction each
     "wan": {"num_layers": 6},
     "hunyuanvideo": {"num_layers": 5, "num_single_layers": 6},
     "cogvideox-5b": {"num_layers": 5},

@@ -44,6 +44,9 @@ PUBLISHED = {
     "chroma": 8.9e9,  # Chroma's model card: "an 8.9B parameter model based on FLUX.1-[schnell]"
     "cogview4": 6e9,  # the "6B" of CogView4-6B's name and model card, see ROUNDED
     "auraflow": 6.8e9,  # AuraFlow, "6.8B" (fal's AuraFlow blog post); v0.3's table has 6,858,605,568: within 1%
+    # LTX-2 paper (arXiv 2601.03233): "a 14B-parameter video stream and a 5B-parameter audio stream"; the 19B of its
+    # checkpoints' names (ltx-2-19b-dev)
+    "ltx-2": 19e9,
 }
 
 # Published counts that are a rounded name, not a measurement: the unit they are rounded to. diffusers' CogVideoX-2b
@@ -60,6 +63,9 @@ COUNTS_POSITION_TABLE = {"sd3.5-large", "sd3.5-medium"}
 ROUNDED |= {"flux2-dev": 1e9}
 # Chroma: 8,899,983,424, "8.9B" to the hundred million. CogView4-6B: 6,369,118,272, "6B" to the billion.
 ROUNDED |= {"chroma": 0.1e9, "cogview4": 1e9}
+# diffusers' LTX-2 transformer has 18,876,174,592: "19B" to the billion. The text connectors that
+# ltx-2-19b-dev.safetensors stores beside it (LTX2TextConnectors in diffusers, 1.43B) are not in it, nor in the 19B.
+ROUNDED |= {"ltx-2": 1e9}
 # Published counts given to the parameter.
 EXACT = {"cogvideox-5b"}
 
@@ -97,8 +103,10 @@ PIXEL_STEP |= {"hunyuanvideo": 16, "cogvideox-5b": 16, "cogvideox-2b": 16, "sana
 PIXEL_STEP |= {"wan2.1-1.3b": 16, "wan2.2-ti2v-5b": 32, "wan2.2-t2v-a14b": 16, "sd3.5-large": 16, "sd3.5-medium": 16}
 PIXEL_STEP |= {"sdxl": 8}
 PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16, "cogview4": 16}
+PIXEL_STEP |= {"ltx-2": 32}
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
 FRAME_STEP |= {"wan2.1-1.3b": 4, "wan2.2-ti2v-5b": 4, "wan2.2-t2v-a14b": 4}
+FRAME_STEP |= {"ltx-2": 8}
 
 
 def expected_output_shape(name: str, config, batch: int, height: int, width: int, frames: int = 1) -> tuple:
@@ -106,7 +114,7 @@ def expected_output_shape(name: str, config, batch: int, height: int, width: int
     h, w = height // 8, width // 8
     if name in ("flux", "flux2-dev", "chroma"):  # 2x2 latent pixels packed into one token
         return (batch, (h // 2) * (w // 2), config.in_channels)
-    if name == "ltx-video":  # 32x spatial, 8x temporal VAE, tokens packed
+    if name in ("ltx-video", "ltx-2"):  # 32x spatial, 8x temporal VAE, tokens packed (LTX-2: the video's)
         return (batch, ((frames - 1) // 8 + 1) * (height // 32) * (width // 32), config.out_channels)
     if name.startswith("wan") or name == "hunyuanvideo":  # Wan2.2-TI2V-5B: a 16x VAE
         vae = 16 if name == "wan2.2-ti2v-5b" else 8
@@ -150,7 +158,7 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 
 def test_presets_cover_every_size_with_a_diffusers_class():
     assert NAMES == [
-        "flux", "sd3", "sd3.5-large", "sd3.5-medium", "ltx-video", "wan", "wan2.1-1.3b", "wan2.2-ti2v-5b",
+        "flux", "sd3", "sd3.5-large", "sd3.5-medium", "ltx-video", "ltx-2", "wan", "wan2.1-1.3b", "wan2.2-ti2v-5b",
         "wan2.2-t2v-a14b", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "sdxl", "pixart", "dit", "sana",
         "qwen-image",
         "flux2-dev", "chroma", "auraflow", "cogview4",
@@ -232,6 +240,7 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "chroma": (1, 64 * 64, 64),
     "auraflow": (1, 4, 128, 128),
     "cogview4": (1, 16, 128, 128),
+    "ltx-2": (1, 16 * 16 * 24, 128),  # 121 frames x 512 x 768 px
 }
 
 
@@ -381,6 +390,21 @@ def test_wan22_ti2v_takes_a_timestep_per_token():
     assert make_inputs(cached_tiny("wan2.1-1.3b"))["timestep"].shape == (1,)
 
 
+def test_ltx2_audio_is_as_long_as_the_video_as_the_pipeline_makes_it():
+    # LTX2Pipeline: 41 frames at 24 fps are 1.71 s of audio, 25 latent frames a second (16 kHz, hop 160, 4x VAE):
+    # round(42.7) = 43 latent frames of 8 channels x 16 mel bins, packed to 128 features
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
+
+    inputs = make_inputs(cached_tiny("ltx-2"), batch_size=2, height=64, width=96, frames=41)
+    pipe = SimpleNamespace(audio_vae_mel_compression_ratio=4, _pack_audio_latents=LTX2Pipeline._pack_audio_latents)
+    audio = LTX2Pipeline.prepare_audio_latents(pipe, 2, num_channels_latents=8, audio_latent_length=43)
+    assert inputs["audio_hidden_states"].shape == audio.shape == (2, 43, 128) and inputs["audio_num_frames"] == 43
+    assert inputs["hidden_states"].shape == (2, 6 * 2 * 3, 128)
+    assert inputs["encoder_hidden_states"].shape == inputs["audio_encoder_hidden_states"].shape
+
+
 @pytest.mark.parametrize("size", [(32, 32, 5), (32, 64, 9), (64, 32, 1), (48, 80, 5)])
 def test_cogvideox_rotary_tables_are_the_pipelines(size):
     # CogVideoXPipeline._prepare_rotary_positional_embeddings, run on the preset's model: the crop of the grid into
@@ -510,6 +534,9 @@ def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
         ("cogview4", {"text_len": 20}, "text_len=20 must be a multiple of 16"),
         ("ltx-video", {"width": 48}, "width"),
         ("ltx-video", {"frames": 10}, "frames"),
+        ("ltx-2", {"height": 48}, "height"),
+        ("ltx-2", {"frames": 12}, "frames"),
+        ("ltx-2", {"text_len": 64}, "text_len=64 must be a multiple of 128"),
         ("wan", {"frames": 6}, "frames"),
         ("wan2.2-ti2v-5b", {"height": 48}, r"height=48 must be a multiple of 32 \(16x VAE, patch 2\)"),
         ("sd3.5-medium", {"height": 1024}, "height"),  # beyond the tiny position embedding

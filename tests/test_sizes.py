@@ -34,6 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # model is nearly twice CogVideoX's, 65: at 33 its update still tops the backward).
 FRAMES = {"ltx-video": 65, "wan": 33, "hunyuanvideo": 65, "cogvideox-5b": 33, "cogvideox-2b": 33}
 FRAMES |= {"wan2.1-1.3b": 33, "wan2.2-ti2v-5b": 33, "wan2.2-t2v-a14b": 33}
+FRAMES |= {"ltx-2": 65}
 
 # variant -> (mode, batch size, make_inputs sizes, the phase the tracked peak falls in; None: not claimed)
 VARIANTS = {

@@ -81,6 +81,17 @@ def test_the_loss_is_part_of_the_forward_so_its_float32_copy_is_an_activation():
     assert last.bytes == out_numel * 4 and last.phase == "forward" and last.category == "activation"
 
 
+def test_a_model_predicting_two_streams_gets_a_loss_term_for_each():
+    # LTX-2 denoises video and audio, and its trainer's loss has a term per stream: the audio head learns too
+    model = memkit.load_model("ltx-2")
+    inputs = memkit.make_inputs(model)
+    with torch.no_grad():
+        video, audio = model(**inputs)
+    loss = memkit.train_step(model, inputs)
+    torch.testing.assert_close(loss, video.float().pow(2).mean() + audio.float().pow(2).mean())
+    assert model.audio_proj_out.weight.grad.any()
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

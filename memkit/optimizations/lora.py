@@ -90,7 +90,9 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
 }
 """Model class -> the modules diffusers' LoRA training script for that family targets by default. Classes not
 listed (Wan, LTX-Video, DiT) get :data:`ATTENTION`, the attention projections finetrainers and diffusers'
-``train_dreambooth_lora_qwen_image.py`` target."""
+``train_dreambooth_lora_qwen_image.py`` target; LTX-2 too, as Lightricks' ltx-trainer recommends for audio-video
+training (``packages/ltx-trainer/docs/configuration-reference.md``: every attention of both streams and between
+them)."""
 
 ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")
 

@@ -1,10 +1,12 @@
-"""The video presets: LTX-Video, Wan 2.1 and 2.2, HunyuanVideo and CogVideoX. Each preset's input builder sits right
-above its config."""
+"""The video presets: LTX-Video, LTX-2 (audio and video), Wan 2.1 and 2.2, HunyuanVideo and CogVideoX. Each preset's
+input builder sits right above its config."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from ._base import _latent, _latent_frames, _Maker, _preset
 
@@ -52,6 +54,87 @@ _LTX = _preset(
     },
     _ltx_inputs,
     "Lightricks/LTX-Video",
+)
+
+
+def _ltx2_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # LTX2Pipeline: the video VAE's 32x spatial, 8x temporal latents of 128 channels, packed into tokens; the audio
+    # VAE's latent (8 channels x 64/4 mel bins, packed to 128 features) one token per 4 mel frames of 160 samples at
+    # 16 kHz, as long as the video at the pipeline's 24 fps; the text connectors' outputs (the prompt padded to
+    # max_sequence_length, every position filled: registers replace the padding, so their int64 mask is all ones),
+    # one for each stream; the timestep on the scheduler's 0-1000 scale, shared by both streams. The pipeline also
+    # passes video_coords and audio_coords: the rotary positions that transformer.rope makes from these same sizes and
+    # fps, which the forward makes itself when they are left out (float32 whatever the model's dtype).
+    p, pt = cfg["patch_size"], cfg["patch_size_t"]
+    h, w = _latent(s, "height", 32, p) // p, _latent(s, "width", 32, p) // p
+    f = _latent_frames(s, 8)
+    if f % pt:
+        raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch_size_t={pt}")
+    f //= pt
+    if s["text_len"] % _LTX2_REGISTERS:
+        raise ValueError(
+            f"text_len={s['text_len']} must be a multiple of {_LTX2_REGISTERS}: LTX-2's text connectors tile "
+            f"{_LTX2_REGISTERS} learnable registers over the padded prompt"
+        )
+    fps = 24.0  # the pipeline's frame_rate
+    per_second = cfg["audio_sampling_rate"] / cfg["audio_hop_length"] / cfg["audio_scale_factor"]
+    audio_frames = round(s["frames"] / fps * per_second)
+    mask = torch.ones((b, s["text_len"]), dtype=torch.int64, device=make.device)
+    return {
+        "hidden_states": make.randn(b, f * h * w, cfg["in_channels"]),
+        "audio_hidden_states": make.randn(b, audio_frames, cfg["audio_in_channels"]),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
+        "audio_encoder_hidden_states": make.randn(b, s["text_len"], cfg["caption_channels"]),
+        "timestep": make.timestep(b),
+        "encoder_attention_mask": mask,
+        "audio_encoder_attention_mask": mask,  # the pipeline passes the one mask twice
+        "num_frames": f,
+        "height": h,
+        "width": w,
+        "fps": fps,
+        "audio_num_frames": audio_frames,
+    }
+
+
+_LTX2_REGISTERS = 128  # LTX2TextConnectors' video/audio_connector_num_learnable_registers in Lightricks/LTX-2
+# diffusers' scripts/convert_ltx2_to_diffusers.py, get_ltx2_transformer_config("2.0"): the transformer/config.json of
+# Lightricks/LTX-2 (converted from ltx-2-19b-dev.safetensors)
+_LTX2_FULL = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                  attention_head_dim=128, cross_attention_dim=4096, vae_scale_factors=(8, 32, 32), pos_embed_max_pos=20,
+                  base_height=2048, base_width=2048, audio_in_channels=128, audio_out_channels=128, audio_patch_size=1,
+                  audio_patch_size_t=1, audio_num_attention_heads=32, audio_attention_head_dim=64,
+                  audio_cross_attention_dim=2048, audio_scale_factor=4, audio_pos_embed_max_pos=20,
+                  audio_sampling_rate=16000, audio_hop_length=160, num_layers=48, activation_fn="gelu-approximate",
+                  qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=3840,
+                  attention_bias=True, attention_out_bias=True, rope_theta=10000.0, rope_double_precision=True,
+                  causal_offset=1, timestep_scale_multiplier=1000, cross_attn_timestep_scale_multiplier=1000,
+                  rope_type="split")
+
+
+# The audio+video transformer: a video stream and an audio stream, each with self-attention, text cross-attention
+# and a feed-forward per block, joined by audio-to-video and video-to-audio attention. Its cross-modal rotary
+# table splits audio_cross_attention_dim over num_attention_heads: the two streams keep one head count.
+_LTX2 = _preset(
+    "ltx-2",
+    "LTX2VideoTransformer3DModel",
+    "LTX-2 audio+video transformer (18.9B at full size; the 19B of the paper)",
+    {
+        "tiny": dict(_LTX2_FULL, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+                     audio_num_attention_heads=2, audio_attention_head_dim=8, audio_cross_attention_dim=16,
+                     num_layers=2, caption_channels=32),
+        "small": dict(_LTX2_FULL, num_attention_heads=8, attention_head_dim=64, cross_attention_dim=512,
+                      audio_num_attention_heads=8, audio_attention_head_dim=32, audio_cross_attention_dim=256,
+                      num_layers=8),
+        "full": _LTX2_FULL,
+    },
+    {
+        "tiny": dict(height=64, width=64, frames=9, text_len=128),
+        "small": dict(height=256, width=256, frames=17, text_len=128),
+        # LTX2Pipeline's defaults: 512x768 px, 121 frames (5 s at 24 fps), max_sequence_length 1024
+        "full": dict(height=512, width=768, frames=121, text_len=1024),
+    },
+    _ltx2_inputs,
+    "Lightricks/LTX-2",
 )
 
 
