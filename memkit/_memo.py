@@ -152,6 +152,9 @@ _LAYER_KEYS: dict[str, dict[str, str]] = {
         "joint_transformer_blocks": "num_mmdit_layers",
         "single_transformer_blocks": "num_single_dit_layers",
     },
+    # the refiners before the joint layers (2 each, as released) are too short to cut
+    "ZImageTransformer2DModel": {"layers": "n_layers"},
+    "Lumina2Transformer2DModel": {"layers": "num_layers"},
 }
 
 # Config keys listing the layers of a block list built apart from the others, per diffusers class: SD3.5 Medium's

@@ -190,6 +190,49 @@ def fake_module_to() -> Iterator[None]:
         torch.nn.Module.to = original
 
 
+# --- fake tensors that carry their values (a model that reads an input's values: Lumina2's caption lengths) ---------
+
+
+def fake_with_values(make: Callable[[], Any]) -> Any:
+    """torch 2.8-2.14: the tensor ``make()`` builds, made outside fake mode; under a ``FakeTensorMode``, a fake tensor
+    of it that carries its values (torch's ``FakeTensor.constant``, as it keeps a ``torch.tensor(0.)`` literal's) and
+    holds no memory but its fake storage's, so a model reading them (``.tolist()``, ``.item()``) gets the real values.
+    Outside fake mode: ``make()`` itself.
+
+    Example:
+        >>> with FakeTensorMode():
+        ...     fake_with_values(lambda: torch.ones(2, 3, dtype=torch.long)).sum().item()    # 6
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily() as mode:
+        real = make()
+    if mode is None:
+        return real
+    return mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
+
+
+@contextlib.contextmanager
+def fake_values_kept(numel: int) -> Iterator[None]:
+    """torch 2.8-2.14: while active, fake tensors computed from fake tensors that carry values (see
+    :func:`fake_with_values`) carry theirs too up to ``numel`` elements, not only scalars (torch's
+    ``fake_tensor.CONSTANT_NUMEL_LIMIT``, 1): a batch's caption lengths, ``mask.sum(1)``, stay readable. Outputs
+    are the same fake tensors (shapes, strides, storages) either way; a smaller ``numel`` than torch's changes nothing.
+
+    Example:
+        >>> with FakeTensorMode(), fake_values_kept(2):
+        ...     fake_with_values(lambda: torch.ones(2, 3, dtype=torch.long)).sum(1).tolist()     # [3, 3]
+    """
+    from torch._subclasses import fake_tensor
+
+    saved = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(saved, numel)
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = saved
+
+
 # --- CPU feature probes and the profiler ---------------------------------------------------------------------------
 
 

@@ -36,7 +36,9 @@ MODES = ("training", "inference")
 
 
 def model_output(out: Any) -> torch.Tensor:
-    """The prediction tensor in whatever a diffusers forward returned: a tensor, ``.sample``, or a tuple.
+    """The prediction tensor in whatever a diffusers forward returned: a tensor, ``.sample``, or a tuple; a batch
+    returned as a list of per-sample tensors (Z-Image) is stacked, as its training script does
+    (diffusers' ``train_dreambooth_lora_z_image.py``: ``torch.stack(model_pred_list, dim=0)``).
 
     Example:
         >>> out = model(**make_inputs(model))
@@ -45,11 +47,15 @@ def model_output(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, Mapping) and "sample" in out:
-        return out["sample"]
+        sample = out["sample"]
+        return torch.stack(sample) if isinstance(sample, list) else sample
     if isinstance(getattr(out, "sample", None), torch.Tensor):
         return out.sample
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], list) and out[0]:
+        if all(isinstance(t, torch.Tensor) for t in out[0]):
+            return torch.stack(out[0])
     raise TypeError(f"cannot find the output tensor in a {type(out).__name__}")
 
 

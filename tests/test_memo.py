@@ -37,6 +37,8 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
     "flux2-dev": {"num_layers": 5, "num_single_layers": 6},
     "chroma": {"num_layers": 5, "num_single_layers": 6, "approximator_layers": 5},  # as released: 5 (not blocks)
     "auraflow": {"num_mmdit_layers": 5, "num_single_dit_layers": 6},
+    "z-image": {"n_layers": 5},  # a list of latents and of captions in, a list out
+    "lumina2": {"num_layers": 5},  # reads its attention mask's values (caption lengths)
 }
 
 
@@ -172,6 +174,16 @@ def test_every_setting(preset, setting):
     ),
 )
 def test_other_presets_settings(preset, setting):
+    assert_same(*both(deep(preset), **SETTINGS[setting]))
+
+
+@pytest.mark.parametrize(
+    "preset, setting",
+    # Lumina2 in a batch of 2: the caption lengths it reads from its mask (one per sample) stay known in the probe.
+    # No ff-split: their feed-forwards are SwiGLU (w1, w3 into w2), which FFSplit does not split
+    _pairs_of(["z-image", "lumina2"], ["checkpointing", "inference", "lora", "batch-2"], {("lumina2", "batch-2")}),
+)
+def test_single_stream_presets_settings(preset, setting):
     assert_same(*both(deep(preset), **SETTINGS[setting]))
 
 

@@ -47,6 +47,8 @@ PUBLISHED = {
     # LTX-2 paper (arXiv 2601.03233): "a 14B-parameter video stream and a 5B-parameter audio stream"; the 19B of its
     # checkpoints' names (ltx-2-19b-dev)
     "ltx-2": 19e9,
+    "z-image": 6e9,  # Z-Image, "6B parameters" (the README of Tongyi-MAI/Z-Image and the model card), see ROUNDED
+    "lumina2": 2.6e9,  # Lumina-Image 2.0, "2.6B" (the model table of Alpha-VLLM/Lumina-Image-2.0's README)
 }
 
 # Published counts that are a rounded name, not a measurement: the unit they are rounded to. diffusers' CogVideoX-2b
@@ -66,6 +68,8 @@ ROUNDED |= {"chroma": 0.1e9, "cogview4": 1e9}
 # diffusers' LTX-2 transformer has 18,876,174,592: "19B" to the billion. The text connectors that
 # ltx-2-19b-dev.safetensors stores beside it (LTX2TextConnectors in diffusers, 1.43B) are not in it, nor in the 19B.
 ROUNDED |= {"ltx-2": 1e9}
+# Z-Image-Turbo: 6,154,908,736, "6B" to the billion. Lumina-Image 2.0: 2,609,769,152, "2.6B" to the hundred million.
+ROUNDED |= {"z-image": 1e9, "lumina2": 0.1e9}
 # Published counts given to the parameter.
 EXACT = {"cogvideox-5b"}
 
@@ -104,6 +108,7 @@ PIXEL_STEP |= {"wan2.1-1.3b": 16, "wan2.2-ti2v-5b": 32, "wan2.2-t2v-a14b": 16, "
 PIXEL_STEP |= {"sdxl": 8}
 PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16, "cogview4": 16}
 PIXEL_STEP |= {"ltx-2": 32}
+PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16, "cogview4": 16, "z-image": 16, "lumina2": 16}
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
 FRAME_STEP |= {"wan2.1-1.3b": 4, "wan2.2-ti2v-5b": 4, "wan2.2-t2v-a14b": 4}
 FRAME_STEP |= {"ltx-2": 8}
@@ -125,10 +130,16 @@ def expected_output_shape(name: str, config, batch: int, height: int, width: int
         return (batch, config.out_channels, height // 32, width // 32)
     if name.startswith("cogvideox"):  # frames before channels
         return (batch, (frames - 1) // 4 + 1, config.out_channels, h, w)
+    if name == "z-image":  # a list of (C, 1, H, W) latents, one per sample, stacked (see model_output)
+        return (batch, config.in_channels, 1, h, w)
+    if name == "lumina2":  # out_channels None: in_channels
+        return (batch, config.in_channels, h, w)
     return (batch, config.out_channels, h, w)
 
 
 def latent_input(inputs: dict) -> torch.Tensor:
+    if "x" in inputs:  # Z-Image: one latent per sample, in a list
+        return torch.stack(inputs["x"])
     return inputs["sample"] if "sample" in inputs else inputs["hidden_states"]
 
 
@@ -140,6 +151,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Z-Image's timestep MLP is 256 -> 1024 -> 256 wide whatever the model's width (diffusers fixes it): 296K parameters
+TINY_PARAMETERS = {"z-image": 400_000}
 
 
 @functools.cache
@@ -161,7 +176,7 @@ def test_presets_cover_every_size_with_a_diffusers_class():
         "flux", "sd3", "sd3.5-large", "sd3.5-medium", "ltx-video", "ltx-2", "wan", "wan2.1-1.3b", "wan2.2-ti2v-5b",
         "wan2.2-t2v-a14b", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "sdxl", "pixart", "dit", "sana",
         "qwen-image",
-        "flux2-dev", "chroma", "auraflow", "cogview4",
+        "flux2-dev", "chroma", "auraflow", "cogview4", "z-image", "lumina2",
     ]  # fmt: skip
     for name, preset in PRESETS.items():
         assert isinstance(preset, Preset) and preset.name == name
@@ -179,7 +194,7 @@ def test_tiny_builds_deterministically_without_touching_global_rng(name):
     assert torch.equal(torch.rand(3), expected_draw)
 
     assert model.training and preset_of(model) == name
-    assert sum(p.numel() for p in model.parameters()) < 300_000
+    assert sum(p.numel() for p in model.parameters()) < TINY_PARAMETERS.get(name, 300_000)
     assert states_equal(model, load_model(name, seed=0))
     assert not states_equal(model, load_model(name, seed=1))
     assert all(p.any() for p in model.parameters()), "zero-initialised parameters are refilled"
@@ -241,6 +256,8 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "auraflow": (1, 4, 128, 128),
     "cogview4": (1, 16, 128, 128),
     "ltx-2": (1, 16 * 16 * 24, 128),  # 121 frames x 512 x 768 px
+    "z-image": (1, 16, 1, 128, 128),  # each sample's (C, 1, H, W), stacked
+    "lumina2": (1, 16, 128, 128),
 }
 
 
@@ -532,6 +549,11 @@ def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
         ("sd3", {"height": 1024}, "height"),  # beyond the tiny position embedding
         ("auraflow", {"width": 512}, "width=512 exceeds the 256 px"),  # a 16x16 table of positions
         ("cogview4", {"text_len": 20}, "text_len=20 must be a multiple of 16"),
+        ("z-image", {"height": 40}, r"height=40 must be a multiple of 16 \(8x VAE, patch 2\)"),
+        ("z-image", {"text_len": 200}, r"text_len=200 needs 226 RoPE positions; the config's axes_lens has 128"),
+        ("z-image", {"width": 1040}, r"width=1040 needs 65 RoPE positions"),
+        ("lumina2", {"text_len": 64}, r"text_len=64 needs 65 RoPE positions; the config's axes_lens has 64"),
+        ("lumina2", {"height": 24}, "height=24"),
         ("ltx-video", {"width": 48}, "width"),
         ("ltx-video", {"frames": 10}, "frames"),
         ("ltx-2", {"height": 48}, "height"),

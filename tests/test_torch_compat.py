@@ -333,3 +333,26 @@ def test_fake_module_to_casts_fake_modules_that_torch_refuses_to_swap():
         before = real.weight.detach().clone()
         real.to(torch.float64)
     assert torch.equal(real.weight, before.double())
+
+
+def test_a_fake_tensor_with_values_is_read_and_keeps_them_through_ops_up_to_a_size():
+    from torch._subclasses import fake_tensor
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
+
+    from memkit._torch_compat import fake_values_kept, fake_with_values
+
+    def mask():
+        return torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+    assert not is_fake(fake_with_values(mask))  # outside fake mode: the real tensor
+    with FakeTensorMode():
+        fake = fake_with_values(mask)
+        assert is_fake(fake) and fake.shape == (2, 3) and fake.sum().item() == 3
+        with pytest.raises(DataDependentOutputException):  # torch keeps a scalar's values only
+            fake.sum(1).tolist()
+        with fake_values_kept(2):
+            lengths = fake.sum(1)
+            assert is_fake(lengths) and lengths.tolist() == [2, 1]
+        with fake_values_kept(0):  # below torch's own limit: torch's
+            assert fake_tensor.CONSTANT_NUMEL_LIMIT == 1
+    assert fake_tensor.CONSTANT_NUMEL_LIMIT == 1  # put back

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import fake_with_values
+
 __all__ = ["SIZES", "InputBuilder", "Preset"]
 
 SIZES = ("tiny", "small", "full")
@@ -79,6 +81,11 @@ class _Maker:
 
     def full(self, shape: tuple[int, ...], value: float) -> torch.Tensor:
         return torch.full(shape, value, dtype=self.dtype, device=self.device)
+
+    def known(self, shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
+        """``torch.full`` for an input whose values the model reads (Lumina2 sums its attention mask into caption
+        lengths, ``.tolist()``): under fake tensors it carries them (`memkit._torch_compat.fake_with_values`)."""
+        return fake_with_values(lambda: torch.full(shape, value, dtype=dtype, device=self.device))
 
 
 def _latent(sizes: Mapping[str, int], key: str, vae: int, patch: int) -> int:

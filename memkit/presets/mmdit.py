@@ -1,5 +1,6 @@
 """The image presets whose text and image tokens share the attention (MMDiT and its kin): FLUX.1 and FLUX.2, SD3 and
-SD3.5, Qwen-Image, Chroma, AuraFlow and CogView4. Each preset's input builder sits right above its config."""
+SD3.5, Qwen-Image, Chroma, AuraFlow, CogView4, and the single-stream Z-Image and Lumina-Image 2.0 (text and image
+refined apart, then one sequence). Each preset's input builder sits right above its config."""
 
 from __future__ import annotations
 
@@ -365,5 +366,107 @@ _COGVIEW4 = _preset(
     },
     _cogview4_inputs,
     "THUDM/CogView4-6B",
+)
+
+
+def _rope_covers(cfg_lens: Any, s: Mapping[str, int], text_end: int, h: int, w: int) -> None:
+    """Raise a ValueError naming the size whose RoPE positions (caption positions up to ``text_end``, then ``h`` x
+    ``w`` image tokens) run past the tables the config builds (``axes_lens``): the real model fails to index them."""
+    for key, end, limit in (("text_len", text_end, cfg_lens[0]), ("height", h, cfg_lens[1]), ("width", w, cfg_lens[2])):
+        if end > limit:
+            raise ValueError(f"{key}={s[key]} needs {end} RoPE positions; the config's axes_lens has {limit}")
+
+
+def _z_image_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # ZImagePipeline and diffusers' train_dreambooth_lora_z_image.py: an 8x VAE of 16 channels, patches of 2 inside
+    # the model; each sample's latent (C, 1, H, W) in a list (latents.unsqueeze(2).unbind(0): views of one batch);
+    # each prompt Qwen3's hidden states (cap_feat_dim, 2560) of its own tokens only, no padding (a list:
+    # prompt_embeds[i][mask[i]]); the timestep (1000 - t) / 1000, in [0, 1]. The model pads the caption to a multiple
+    # of 32 and puts the image after it on RoPE's first axis
+    p = cfg["all_patch_size"][0]
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    _rope_covers(cfg["axes_lens"], s, -(-s["text_len"] // 32) * 32 + 2, h // p, w // p)
+    latents = make.randn(b, cfg["in_channels"], 1, h, w)
+    return {
+        "x": list(latents.unbind(0)),
+        "t": make.timestep(b, scale=1.0),
+        "cap_feats": [make.randn(s["text_len"], cfg["cap_feat_dim"]) for _ in range(b)],
+    }
+
+
+_Z_IMAGE = _preset(
+    "z-image",
+    "ZImageTransformer2DModel",
+    "Z-Image-Turbo single-stream DiT (6.2B at full size; the 6B of its model card)",
+    {
+        # the timestep MLP is 256 -> 1024 -> 256 wide whatever the width (diffusers fixes it): 0.3M of the tiny one
+        "tiny": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+                     n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=(4, 6, 6),
+                     axes_lens=(128, 32, 32)),
+        "small": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=512, n_layers=6,
+                      n_refiner_layers=2, n_heads=8, n_kv_heads=8, cap_feat_dim=2560, axes_dims=(16, 24, 24),
+                      axes_lens=(1536, 512, 512)),
+        # Tongyi-MAI/Z-Image-Turbo transformer/config.json: the constants of Tongyi-MAI/Z-Image's src/config/model.py,
+        # which its loader (src/utils/loader.py) falls back to for that file's keys; diffusers' class defaults but the
+        # RoPE table's caption axis (1536 positions)
+        "full": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
+                     n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560,
+                     rope_theta=256.0, t_scale=1000.0, axes_dims=(32, 48, 48), axes_lens=(1536, 512, 512)),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=512),  # the pipeline's default size and max_sequence_length
+    },
+    _z_image_inputs,
+    "Tongyi-MAI/Z-Image-Turbo",
+)
+
+
+def _lumina2_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # Lumina2Pipeline and diffusers' train_dreambooth_lora_lumina2.py: FLUX's VAE (8x, 16 channels), patches of 2
+    # inside the model; Gemma-2's hidden states (cap_feat_dim, 2304) of the system prompt and the prompt, padded to
+    # max_sequence_length, and the tokenizer's attention mask (int64); the timestep in [0, 1]. The model
+    # sums the mask into each caption's length (.tolist()) and joins that many text tokens to the image: the mask
+    # carries its values under fake tensors (make.known), all ones, a prompt that fills max_sequence_length (the most
+    # memory)
+    p = cfg["patch_size"]
+    h, w = _latent(s, "height", 8, p), _latent(s, "width", 8, p)
+    _rope_covers(cfg["axes_lens"], s, s["text_len"] + 1, h // p, w // p)
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], h, w),
+        "timestep": make.timestep(b, scale=1.0),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["cap_feat_dim"]),
+        "encoder_attention_mask": make.known((b, s["text_len"]), 1, torch.long),
+    }
+
+
+_LUMINA2 = _preset(
+    "lumina2",
+    "Lumina2Transformer2DModel",
+    "Lumina-Image 2.0 unified next-DiT (2.6B at full size)",
+    {
+        "tiny": dict(sample_size=4, patch_size=2, in_channels=16, hidden_size=32, num_layers=2, num_refiner_layers=1,
+                     num_attention_heads=2, num_kv_heads=1, multiple_of=16, axes_dim_rope=(4, 6, 6),
+                     axes_lens=(64, 32, 32), cap_feat_dim=32),
+        "small": dict(sample_size=32, patch_size=2, in_channels=16, hidden_size=512, num_layers=6,
+                      num_refiner_layers=2, num_attention_heads=8, num_kv_heads=4, multiple_of=256,
+                      axes_dim_rope=(16, 24, 24), axes_lens=(300, 512, 512), cap_feat_dim=2304),
+        # Alpha-VLLM/Lumina-Image-2.0 transformer/config.json: its GitHub repository's models/model.py
+        # (NextDiT_2B_GQA_patch2_Adaln_Refiner: 2304 wide, 26 layers, 24 heads, 8 KV heads, RoPE axes (32, 32, 32) over
+        # (300, 512, 512)), the caption width Gemma-2-2B's hidden size (demo.py: cap_feat_dim=text_encoder.config.
+        # hidden_size); diffusers' class defaults but cap_feat_dim
+        "full": dict(sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_layers=26,
+                     num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8, multiple_of=256,
+                     ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(32, 32, 32),
+                     axes_lens=(300, 512, 512), cap_feat_dim=2304),
+    },
+    {
+        "tiny": dict(height=32, width=32, text_len=8),
+        "small": dict(height=256, width=256, text_len=64),
+        "full": dict(height=1024, width=1024, text_len=256),  # the pipeline's default size and max_sequence_length
+    },
+    _lumina2_inputs,
+    "Alpha-VLLM/Lumina-Image-2.0",
 )
 # fmt: on
