@@ -90,9 +90,10 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
 }
 """Model class -> the modules diffusers' LoRA training script for that family targets by default. Classes not
 listed (Wan, LTX-Video, DiT) get :data:`ATTENTION`, the attention projections finetrainers and diffusers'
-``train_dreambooth_lora_qwen_image.py`` target; LTX-2 too, as Lightricks' ltx-trainer recommends for audio-video
-training (``packages/ltx-trainer/docs/configuration-reference.md``: every attention of both streams and between
-them)."""
+``train_dreambooth_lora_qwen_image.py`` target, as do ``train_dreambooth_lora_z_image.py`` (Z-Image) and
+``train_dreambooth_lora_lumina2.py`` (Lumina2) without ``--lora_layers``; LTX-2 too, as Lightricks' ltx-trainer
+recommends for audio-video training (``packages/ltx-trainer/docs/configuration-reference.md``: every attention of both
+streams and between them)."""
 
 ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")
 
