@@ -28,6 +28,13 @@ __all__ = ["diffusers_blocks", "find_blocks", "module_list_blocks"]
 # (``transformer_blocks``, ``single_transformer_blocks``, ``blocks``) and UNet's ``resnets`` (its attention
 # blocks are ``transformer_blocks`` inside a Transformer2DModel). Up/downsamplers are never checkpointed.
 _BLOCK_LISTS = re.compile(r"(^|_)blocks$|^resnets$")
+# Models whose checkpointed lists are named otherwise: exactly the lists their forward hands to the function. Z-Image
+# checkpoints its refiners (image, caption, SigLIP) and joint layers; Lumina2 its joint layers only (its refiners
+# run outside the checkpointing).
+_LISTS_OF: dict[str, tuple[str, ...]] = {
+    "ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "siglip_refiner", "layers"),
+    "Lumina2Transformer2DModel": ("layers",),
+}
 
 
 def is_diffusers_model(model: torch.nn.Module) -> bool:
@@ -68,9 +75,10 @@ def find_blocks(
 
 def diffusers_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The modules a diffusers model hands to its checkpointing function, in module order: the elements of the
-    block lists (``*blocks``, ``resnets``) of modules that have a ``gradient_checkpointing`` flag, except
-    containers whose own submodules checkpoint (UNet's down/up blocks). UNet's mid-block runs its first resnet
-    outside diffusers' checkpointing: it is numbered, but checkpointing it changes nothing.
+    block lists (``*blocks``, ``resnets``; Z-Image's and Lumina2's by name) of modules that have a
+    ``gradient_checkpointing`` flag, except containers whose own submodules checkpoint (UNet's down/up blocks).
+    UNet's mid-block runs its first resnet outside diffusers' checkpointing: it is numbered, but checkpointing it
+    changes nothing.
 
     Example:
         >>> [name for name, _ in diffusers_blocks(memkit.load_model("flux"))]
@@ -80,8 +88,10 @@ def diffusers_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     for name, module in model.named_modules():
         if not hasattr(module, "gradient_checkpointing"):
             continue
+        names = _LISTS_OF.get(type(module).__name__)
         for child_name, child in module.named_children():
-            if not isinstance(child, torch.nn.ModuleList) or not _BLOCK_LISTS.search(child_name):
+            listed = child_name in names if names is not None else bool(_BLOCK_LISTS.search(child_name))
+            if not isinstance(child, torch.nn.ModuleList) or not listed:
                 continue
             for i, block in enumerate(child):
                 if any(hasattr(m, "gradient_checkpointing") for m in block.modules()):

@@ -59,6 +59,8 @@ _UNSPLIT_BLOCKS = {
     "HunyuanVideoSingleTransformerBlock": "proj_mlp -> proj_out, fused with attention",
     # Flux's single block, but its own class (modulation from the approximator): its forward is not checked as Flux's
     "ChromaSingleTransformerBlock": "proj_mlp -> proj_out, fused with attention",
+    # Z-Image's own SwiGLU (silu(w1(x)) * w3(x) -> w2): two input projections; its timestep MLP is split
+    "ZImageTransformerBlock": "a SwiGLU feed-forward, w1 and w3 into w2",
 }
 
 
