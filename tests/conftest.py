@@ -15,10 +15,24 @@ CORE_PRESETS = frozenset({"flux", "sd3", "ltx-video", "wan", "unet", "pixart", "
 SIZE_VARIANTS = frozenset({"wan2.1-1.3b", "wan2.2-t2v-a14b"})
 
 
+def _missing_class(preset: str) -> str | None:
+    """Why the installed diffusers cannot build ``preset`` (its class came in a later release), or None."""
+    import diffusers
+
+    from memkit.presets import PRESETS
+
+    spec = PRESETS.get(preset)
+    if spec is None or hasattr(diffusers, spec.model_class):
+        return None
+    return f"diffusers {diffusers.__version__} has no {spec.model_class} (preset {preset}): a later release added it"
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         preset = getattr(getattr(item, "callspec", None), "params", {}).get("preset")
         if isinstance(preset, str):
+            if why := _missing_class(preset):  # the diffusers floor's run (make test-matrix)
+                item.add_marker(pytest.mark.skip(reason=why))
             slow_elsewhere = item.get_closest_marker("slow") and preset not in CORE_PRESETS
             same_path = preset in SIZE_VARIANTS and item.originalname == "test_every_preset_default_step"
             if slow_elsewhere or same_path:
