@@ -33,6 +33,8 @@ def test_roundup_power2_divisions_single_value():
     # a power of two is kept as is; at most 512 x divisions bytes round to 512: 2000 -> 2048 either way, 1500 -> 1536
     assert block_size(conf, 4 * MiB) == 4 * MiB
     assert block_size(conf, 1500) == 1536
+    # 600 B <= 512 x 4: plain rounding gives 1024 (power-of-2 steps of 128 above 512 would give 640)
+    assert block_size(conf, 600) == 1024
 
 
 def block_size(conf, nbytes):
@@ -197,6 +199,18 @@ def test_expandable_segment_grows_in_20_mib_pages():
     b.malloc(30 * MiB)
     b.malloc(15 * MiB)
     assert b.reserved_bytes == 46 * MiB
+
+
+def test_expandable_unmaps_only_whole_free_pages():
+    a = CachingAllocator("expandable_segments:True")
+    x = a.malloc(30 * MiB)
+    a.malloc(15 * MiB)  # pages 0-2 mapped: [0-30 x][30-45 y][45-60 free]
+    a.free(x)
+    # empty_cache: x's free range 0-30 MiB holds one whole page (0-20): unmapped; 20-30 shares page 1 with y and
+    # stays; the free 45-60 MiB lies inside page 2 with y: nothing to unmap there
+    a.empty_cache()
+    assert (a.reserved_bytes, sizes(a)) == (40 * MiB, [40 * MiB])
+    assert [b[0] for b in a.segments[0].blocks] == [10 * MiB, 15 * MiB, 15 * MiB]
 
 
 def test_expandable_small_pool_grows_in_2_mib_pages():
