@@ -341,3 +341,13 @@ def test_invariants_hold_on_any_sequence(ops, conf):
         a.free(h)
     a.empty_cache()
     assert (a.allocated_bytes, a.reserved_bytes, a.segments) == (0, 0, [])
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    from memkit.memory import _allocator_config, _allocator_pool, _expandable_segments, caching_allocator
+
+    for module in (caching_allocator, _allocator_pool, _expandable_segments, _allocator_config):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -77,7 +77,12 @@ class AllocatorConfig:
     per_process_memory_fraction: float | None = None
 
     def divisions(self, size: int) -> int:
-        """Power-of-two divisions for a request of ``size`` bytes (its interval: log2(size) - 20, clamped)."""
+        """Power-of-two divisions for a request of ``size`` bytes (its interval: log2(size) - 20, clamped).
+
+        Example:
+            >>> parse_conf("roundup_power2_divisions:[64:8,>:2]").divisions(200 << 20)  # 64 MiB-128 MiB: 8
+            2
+        """
         return self.roundup_power2_divisions[min(max(size.bit_length() - 21, 0), _INTERVALS - 1)]
 
     def round_size(self, size: int) -> int:

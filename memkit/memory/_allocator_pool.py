@@ -68,7 +68,13 @@ class SegmentInfo:
 
     @property
     def allocated_size(self) -> int:
-        """Bytes of this segment's allocated blocks."""
+        """Bytes of this segment's allocated blocks.
+
+        Example:
+            >>> from memkit.memory import CachingAllocator
+            >>> a = CachingAllocator(); _ = a.malloc(1000); a.segments[0].allocated_size
+            1024
+        """
         return sum(size for size, _, allocated in self.blocks if allocated)
 
 

@@ -64,6 +64,10 @@ class CachingAllocator(ExpandableSegments):
     returns ``None`` without touching the allocator, as torch does. Costs a few microseconds a call; the state is
     the blocks themselves, so memory grows with the number of live and cached blocks, not with the calls.
 
+    Besides the byte counts: ``config`` (the parsed settings), ``capacity``, and torch's counters
+    ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc`` (segments and mapped ranges made) and
+    ``num_device_free``.
+
     Example:
         >>> a = CachingAllocator("expandable_segments:False", capacity=8 << 30)
         >>> h = a.malloc(3 << 20); a.free(h)
