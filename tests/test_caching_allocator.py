@@ -321,15 +321,32 @@ _ops = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops=_ops, conf=st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:20"]))
-def test_invariants_hold_on_any_sequence(ops, conf):
-    a, live = CachingAllocator(conf), []
+_confs = [
+    "",
+    "expandable_segments:True",
+    "max_split_size_mb:20",
+    "expandable_segments:True,max_split_size_mb:20",
+    "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+    "roundup_power2_divisions:[1:4,>:2],max_split_size_mb:32",
+]
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=_ops, conf=st.sampled_from(_confs), capacity=st.sampled_from([None, 160 * MiB]))
+def test_invariants_hold_on_any_sequence(ops, conf, capacity):
+    if capacity is None and "fraction" in conf:
+        capacity = 1 << 40
+    a, live = CachingAllocator(conf, capacity=capacity), []
     for is_free, nbytes, stream, pick in ops:
         if is_free and live:
             a.free(live.pop(pick % len(live)))
         else:
-            live.append(a.malloc(nbytes, stream=stream))
+            try:
+                live.append(a.malloc(nbytes, stream=stream))
+            except DeviceOutOfMemoryError:
+                assert capacity is not None
+        if capacity is not None:
+            assert a.reserved_bytes <= capacity
         segs = a.segments
         assert a.allocated_bytes == sum(h.size for h in live) == sum(s.allocated_size for s in segs)
         assert a.reserved_bytes == sum(s.size for s in segs)
