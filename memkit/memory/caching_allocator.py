@@ -13,11 +13,13 @@ blocks``, ``find_expandable_block``, ``map_block``, ``unmap_block``), with the s
 ``_allocator_config.py``). Where versions differ:
 
 - the oversize rule (a request >= ``max_split_size`` may take a cached block less than
-  ``max_non_split_rounding_mb`` larger) used the constant 20 MiB before that option existed; the file's header
-  comment says "within 1MB" but its code has always used 20 MiB (``kLargeBuffer``), and so does this model;
-- requests of 1-10 MiB get a ``large_segment_size_mb`` segment (20 MiB unless set; a constant before 2.9);
-- ``release_available_cached_blocks`` and the garbage collector skip blocks of expandable segments in newer
-  torch (``pytorch/pytorch`` generic allocator, ``CachingDeviceAllocator``); 001074d asserted instead. We skip.
+  ``max_non_split_rounding_mb`` larger) used the constant ``kLargeBuffer`` (20 MiB) before that option existed;
+  the header comment of 001074d says "within 1MB", but its code uses 20 MiB, and so does this model;
+- requests of 1-10 MiB get a ``large_segment_size_mb`` segment (20 MiB unless set; the constant ``kLargeBuffer``
+  where that option does not exist: ``c10/core/AllocatorConfig.cpp`` @ 0ac71663 has it not, torch 2.13 has it);
+- ``release_available_cached_blocks`` and the garbage collector skip blocks of expandable segments in a later,
+  templated version of this code (seen in the source index, not pinned to a commit); 001074d asserted there
+  instead. The model skips them.
 
 Modelled: request rounding, small (<= 1 MiB, 2 MiB segments) and large pools, per-stream best fit from a
 size-ordered set, splitting, merging, ``max_split_size``, expandable segments (pages of 2 MiB / 20 MiB mapped at
@@ -25,7 +27,8 @@ the lowest free address, free pages unmapped on OOM and ``empty_cache``), the ga
 and the OOM path. Not modelled: CUDA graphs' private pools and ``MemPool``, ``record_stream`` (cross-stream
 frees complete at once), IPC, ``cudaMallocAsync``, memory taken outside the allocator (the CUDA context,
 cuBLAS workspaces: subtract them from ``capacity``). ``cudaMalloc`` addresses are handed out in increasing order,
-which only breaks ties between equal-sized free blocks.
+which only breaks ties between equal-sized free blocks; an expandable segment reserves addresses for 1 1/8 x
+``capacity`` (torch: x the device's total memory), which only decides when a stream needs a second one.
 """
 
 from __future__ import annotations
