@@ -10,11 +10,13 @@ Sources (read with the library's ``read_file``; the sizes and checks below follo
   ``c10/cuda/CUDAAllocatorConfig.h`` lists the CUDA-only keys, which change nothing this model measures;
 - ``pytorch/pytorch`` ``c10/test/core/AllocatorConfig_test.cpp`` @ ``8266849b`` for the list form's meaning.
 
-Where versions differ (older: ``0x804d8000/pytorch`` ``c10/cuda/CUDAAllocatorConfig.cpp`` @ ``3dd29c39``, the
-torch 2.1-2.3 parser): ``max_split_size_mb`` had to be ``> 20`` (now ``>= large_segment_size_mb``, 20 by
-default); ``max_non_split_rounding_mb`` and ``large_segment_size_mb`` did not exist (the rounding limit was the
-constant 20 MiB); a list entry's divisions could not be 0; and ``>:n`` filled from the last named interval
-*including* it, so ``[256:1,512:2,>:8]`` gave 8 divisions to 512 MiB-1 GiB (now 2).
+Where versions differ (older: ``0x804d8000/pytorch`` ``c10/cuda/CUDAAllocatorConfig.cpp`` @ ``3dd29c39``, a parser
+of the torch 2.1 era: it knows ``expandable_segments`` but not ``max_non_split_rounding_mb``):
+``max_split_size_mb`` had to be ``> 20`` (now ``>= large_segment_size_mb``, 20 by default);
+``max_non_split_rounding_mb`` and ``large_segment_size_mb`` did not exist (the rounding limit was the constant
+20 MiB); a list entry's divisions could not be 0; and ``>:n`` filled from the last named interval *including*
+it (so did ``pytorch/pytorch`` ``c10/core/AllocatorConfig.cpp`` @ ``065861fb``), so ``[256:1,512:2,>:8]`` gave
+8 divisions to 512 MiB-1 GiB (now 2).
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ class _Parser:
             if value and value & (value - 1):
                 raise self.fail(key, f"divisions must be a power of 2 or 0, got {value}")
             if bound == ">":
-                # Newer torch fills after the last named interval; torch <= 2.7 (3dd29c39) filled from it.
+                # Newer torch fills after the last named interval; older parsers (3dd29c39, 065861fb) from it.
                 values[last + 1 :] = [value] * (_INTERVALS - last - 1)
             else:
                 mb = self.number(i - 2, key)
