@@ -54,7 +54,7 @@ def test_roundup_power2_divisions_per_interval():
 
 def test_roundup_power2_divisions_greater_than_fills_after_the_last_interval():
     # [256:1,512:2,>:8]: index 8 (256 MiB) = 1 and everything below, index 9 (512 MiB-1 GiB) = 2; ">" fills from
-    # index 10 on (torch <= 2.7 filled from index 9, giving 512 MiB-1 GiB 8 divisions)
+    # index 10 on (older parsers filled from index 9, giving 512 MiB-1 GiB 8 divisions)
     conf = "roundup_power2_divisions:[256:1,512:2,>:8]"
     assert block_size(conf, 600 * MiB) == 768 * MiB  # floor 512 MiB, 2 divisions: step 256 MiB
     assert block_size(conf, 1536 * MiB + 1) == 1664 * MiB  # floor 1 GiB, 8 divisions: step 128 MiB
