@@ -231,9 +231,10 @@ class _Parser:
 def parse_conf(conf: str = "") -> AllocatorConfig:
     """An :class:`AllocatorConfig` from a ``PYTORCH_CUDA_ALLOC_CONF`` string; a ValueError names a bad option.
 
-    ``per_process_memory_fraction:f`` stands for ``torch.cuda.set_per_process_memory_fraction(f)``: the allocator
-    then refuses to reserve more than ``f`` x the device's capacity and runs ``garbage_collection_threshold``
-    (which torch ignores without a fraction).
+    ``per_process_memory_fraction:f`` (a CUDA key of torch 2.13, f in [0, 1]) is taken to act as
+    ``torch.cuda.set_per_process_memory_fraction(f)`` does: the allocator refuses to reserve more than ``f`` x the
+    device's capacity and runs ``garbage_collection_threshold``, which torch ignores without a fraction. (How
+    2.13 applies the key was not read; ``setMemoryFraction``'s effect is from 001074d.)
 
     Example:
         >>> parse_conf("expandable_segments:True,max_split_size_mb:128").expandable_segments
