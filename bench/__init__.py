@@ -31,6 +31,7 @@ BENCHMARKS: tuple[str, ...] = (
     "estimate_full",
     "estimate_speed",
     "snapshot_load",
+    "caching_allocator",
     "ema",
     "feedforward",
     "checkpointing",

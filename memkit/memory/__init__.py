@@ -1,5 +1,5 @@
 """Measurement only: the event schema, the Timeline, the live-storage tracker, kernel-internal buffers, CUDA
-allocator history, and snapshots read and written safely.
+allocator history, a model of the CUDA caching allocator, and snapshots read and written safely.
 
 The Timeline and the schema need only numpy; the tracker, CUDA history and snapshots are imported on first use.
 
@@ -17,6 +17,8 @@ from .timeline import Timeline
 
 _EXPORTS = {
     "AllocatorWindow": ".allocator",
+    "CachingAllocator": ".caching_allocator",
+    "DeviceOutOfMemoryError": ".caching_allocator",
     "allocator_window": ".allocator",
     "CudaHistory": ".cuda",
     "CudaHistoryError": ".cuda",
@@ -44,8 +46,10 @@ _EXPORTS = {
 __all__ = [
     "AllocatorWindow",
     "CATEGORIES",
+    "CachingAllocator",
     "CudaHistory",
     "CudaHistoryError",
+    "DeviceOutOfMemoryError",
     "PHASES",
     "RSSSamples",
     "SnapshotError",
@@ -72,6 +76,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .allocator import AllocatorWindow, allocator_window
+    from .caching_allocator import CachingAllocator, DeviceOutOfMemoryError
     from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
     from .recording import current_timeline, phase, released, tag, track, tracking
     from .rss import RSSSamples, rss_bytes, sample_rss
