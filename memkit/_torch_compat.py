@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import sys
 import warnings
@@ -188,6 +189,78 @@ def fake_module_to() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.to = original
+
+
+def known_constant(make: Callable[[], Any]) -> Any:
+    """torch 2.8-2.14: the tensor ``make()`` builds, as a fake tensor of the active ``FakeTensorMode`` that keeps
+    its values (a fake "constant", built for real outside the mode), so ops whose output shape depends on values
+    (``nonzero``, boolean indexing) can run on it and on what :func:`known_values` lets inherit them; outside fake
+    mode, ``make()`` itself.
+
+    Example:
+        >>> with FakeTensorMode():
+        ...     mask = known_constant(lambda: torch.ones(2, 8, dtype=torch.bool))   # mask.constant holds the ones
+    """
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    mode = detect_fake_mode()
+    if mode is None:
+        return make()
+    with unset_fake_temporarily():
+        real = make()
+    return mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
+
+
+@contextlib.contextmanager
+def known_values(inputs: Any) -> Iterator[None]:
+    """torch 2.8-2.14: while active, values stay known under ``FakeTensorMode`` for tensors up to the size of
+    ``nonzero`` of the largest fake constant (:func:`known_constant`) among ``inputs``: ops on constants keep their
+    values (torch keeps them up to one element, ``fake_tensor.CONSTANT_NUMEL_LIMIT``), and so do the fills
+    ``zeros``, ``ones`` and ``full`` (an ordinary fake tensor stands for them otherwise), so a data-dependent op
+    (``nonzero``, boolean indexing, ``if tensor``) on what derives from them runs. Mochi's attention takes
+    ``nonzero`` of a row of its text mask; HunyuanVideo 1.5 indexes its tokens by masks it builds with
+    ``torch.zeros`` and branches on ``torch.all(image_embeds == 0)``. Enter it before any op touches the inputs (a
+    view of a constant taken while torch keeps one element makes the constant forget its values). Nothing changes
+    when ``inputs`` (a dict of forward arguments) holds no constant.
+
+    Example:
+        >>> with FakeTensorMode():
+        ...     inputs = make_inputs(model)
+        ...     with known_values(inputs):
+        ...         model(**inputs)
+    """
+    import torch
+    from torch._guards import detect_fake_mode
+    from torch._subclasses import fake_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    # the largest nonzero of a known input: one index per element and dimension
+    sizes = [
+        t.numel() * max(t.dim(), 1) for t in values if isinstance(t, fake_tensor.FakeTensor) and t.constant is not None
+    ]
+    mode = detect_fake_mode()
+    if not sizes or mode is None:
+        yield
+        return
+    limit = max(sizes)
+    fills = (torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default)
+
+    class KnownFills(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in fills and math.prod(args[0]) <= limit and str(kwargs.get("device")) != "meta":
+                return known_constant(lambda: func(*args, **kwargs))
+            return func(*args, **kwargs)
+
+    original = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(original, limit)
+    try:
+        with KnownFills():
+            yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = original
 
 
 # --- CPU feature probes and the profiler ---------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from . import _memo, _splice
 from ._results import _cache_key, _lookup, _store, clear_cache
+from ._torch_compat import known_values
 from .handle import Optimization, apply_all
 from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
@@ -353,8 +354,9 @@ def _measure(
         if memoize and not lists:
             return None
         applied = sharded_order(optimizations, parallel, mesh) if parallel is not None else optimizations
-        with apply_all(net, applied) as handle:
+        with apply_all(net, applied) as handle, contextlib.ExitStack() as stack:
             kwargs = inputs(net) if inputs is not None else make_inputs(net, batch_size=batch_size, seed=seed, **sizes)
+            stack.enter_context(known_values(kwargs))  # Mochi's text mask: its valid tokens, found by nonzero
             runner = step.bind(net, handle)
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)

@@ -333,3 +333,29 @@ def test_fake_module_to_casts_fake_modules_that_torch_refuses_to_swap():
         before = real.weight.detach().clone()
         real.to(torch.float64)
     assert torch.equal(real.weight, before.double())
+
+
+def test_known_values_let_data_dependent_ops_run_on_fake_masks():
+    from torch._subclasses import fake_tensor
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
+
+    from memkit._torch_compat import known_constant, known_values
+
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    assert known_constant(lambda: torch.ones(2)).tolist() == [1.0, 1.0]  # outside fake mode: the tensor itself
+    with FakeTensorMode():
+        mask = known_constant(lambda: torch.tensor([[True, False, True], [True, True, True]]))
+        x = torch.randn(2, 3, 4)
+        assert isinstance(mask, FakeTensor) and mask.constant is not None
+        other = known_constant(lambda: torch.ones(2, 3, dtype=torch.bool))
+        with pytest.raises(DynamicOutputShapeException):  # why: a row of a mask is past torch's one element (and
+            torch.nonzero(other[0])  # the view made the mask forget its values)
+        with known_values({"mask": mask, "x": x}):
+            assert torch.nonzero(mask[0]).shape == (2, 1)  # Mochi's valid tokens of one sample
+            assert x[0][mask[0]].shape == (2, 4)
+            zeros = torch.zeros(2, 3, dtype=torch.bool)  # HunyuanVideo 1.5's image mask, built in its forward
+            assert x[~zeros].shape == (6, 4) and bool(torch.all(zeros == 0))
+            assert torch.zeros(7, 7).constant is None  # past the largest known input: an ordinary fake tensor
+        assert fake_tensor.CONSTANT_NUMEL_LIMIT == limit
+        with known_values({"x": x}):  # no known input: nothing changes
+            assert fake_tensor.CONSTANT_NUMEL_LIMIT == limit and torch.zeros(1, 2).constant is None

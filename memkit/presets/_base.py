@@ -80,6 +80,18 @@ class _Maker:
     def full(self, shape: tuple[int, ...], value: float) -> torch.Tensor:
         return torch.full(shape, value, dtype=self.dtype, device=self.device)
 
+    def mask(self, *shape: int, valid: bool = True, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """An attention mask, every token ``valid`` (or none). Under ``FakeTensorMode`` a fake tensor that keeps its
+        values (``memkit._torch_compat.known_constant``): models that drop or reorder padding by ``nonzero`` of the
+        mask (Mochi, HunyuanVideo 1.5) take their shapes from them."""
+        return self.known(lambda: torch.full(shape, valid, dtype=dtype, device=self.device))
+
+    def known(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor ``make()`` builds, its values kept under ``FakeTensorMode`` (see `mask`)."""
+        from .._torch_compat import known_constant
+
+        return known_constant(make)
+
 
 def _latent(sizes: Mapping[str, int], key: str, vae: int, patch: int) -> int:
     """Latent extent of a pixel size, checked to split into whole patches."""
