@@ -85,8 +85,10 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     ),
 }
 """Model class -> the modules diffusers' LoRA training script for that family targets by default. Classes not
-listed (Wan, LTX-Video, DiT) get :data:`ATTENTION`, the attention projections finetrainers and diffusers'
-``train_dreambooth_lora_qwen_image.py`` target."""
+listed (Wan, LTX-Video, DiT, Mochi, HunyuanVideo 1.5) get :data:`ATTENTION`, the attention projections finetrainers
+and diffusers' ``train_dreambooth_lora_qwen_image.py`` target; Mochi's own script (cogvideox-factory's
+``training/mochi-1/args.py``, ``--target_modules`` default) targets the same four. HunyuanVideo 1.5 has no LoRA
+script in diffusers or finetrainers."""
 
 ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")
 
