@@ -233,6 +233,7 @@ def known_values(inputs: Any) -> Iterator[None]:
     import torch
     from torch._guards import detect_fake_mode
     from torch._subclasses import fake_tensor
+    from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
     values = inputs.values() if isinstance(inputs, dict) else inputs
@@ -247,11 +248,36 @@ def known_values(inputs: Any) -> Iterator[None]:
     limit = max(sizes)
     fills = (torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default)
 
+    def too_large(func, args, kwargs) -> bool:  # the op's outputs, from its meta kernel
+        try:
+            with fake_tensor.in_kernel_invocation_manager(mode):
+                out = func(*args, **kwargs)
+        except Exception:  # a data-dependent meta kernel (nonzero): its output is no larger than its input
+            return False
+        return any(t.numel() > limit for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
     class KnownFills(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func in fills and math.prod(args[0]) <= limit and str(kwargs.get("device")) != "meta":
                 return known_constant(lambda: func(*args, **kwargs))
+            known = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, fake_tensor.FakeTensor)]
+            if (
+                known
+                and all(t.constant is not None for t in known)
+                and not func._schema.is_mutable
+                and too_large(func, args, kwargs)
+            ):
+                # torch computes an op on constants for real before it looks at the size of the result: a
+                # HunyuanVideo 1.5 attention mask of (tokens x tokens) would be gigabytes of host memory per block
+                constants = [t.constant for t in known]
+                for t in known:
+                    t.constant = None
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    for t, c in zip(known, constants, strict=True):
+                        t.constant = c
             return func(*args, **kwargs)
 
     original = fake_tensor.CONSTANT_NUMEL_LIMIT

@@ -34,6 +34,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # model is nearly twice CogVideoX's, 65: at 33 its update still tops the backward).
 FRAMES = {"ltx-video": 65, "wan": 33, "hunyuanvideo": 65, "cogvideox-5b": 33, "cogvideox-2b": 33}
 FRAMES |= {"wan2.1-1.3b": 33, "wan2.2-ti2v-5b": 33, "wan2.2-t2v-a14b": 33}
+# Mochi's 6x temporal VAE: 49 frames are 9 latent frames (at 25 its update still tops the backward). HunyuanVideo 1.5:
+# 9 latent frames too, though no frame count moves its peak (see PHASE).
+FRAMES |= {"mochi": 49, "hunyuanvideo-1.5": 33}
 
 # variant -> (mode, batch size, make_inputs sizes, the phase the tracked peak falls in; None: not claimed)
 VARIANTS = {
@@ -49,6 +52,11 @@ VARIANTS = {
 # Where a preset's peak falls elsewhere than its variant's: measured. Tiny HunyuanVideo at batch 2 and 128 px peaks at
 # the end of its forward (every activation live, with the output's unpatchify), above its backward.
 PHASE = {("hunyuanvideo", "batch2-128px"): "forward"}
+# Tiny HunyuanVideo 1.5 has 4.4M parameters, nearly all in its glyph-text projection (2048 wide whatever the config),
+# and ~2,000 text and image tokens at any size: its update tops the backward at 256 px and at 33 to 129 frames (4
+# latent tokens a frame at 32 px) alike; at batch 2 and 128 px the end of its forward does.
+PHASE |= {("hunyuanvideo-1.5", v): "optimizer" for v in ("256px", "frames")}
+PHASE |= {("hunyuanvideo-1.5", "batch2-128px"): "forward"}
 
 
 # Cases where the tracked peak is not the profiler's yet, each with what was measured (strict: a fix makes it fail).

@@ -356,6 +356,8 @@ def test_known_values_let_data_dependent_ops_run_on_fake_masks():
             zeros = torch.zeros(2, 3, dtype=torch.bool)  # HunyuanVideo 1.5's image mask, built in its forward
             assert x[~zeros].shape == (6, 4) and bool(torch.all(zeros == 0))
             assert torch.zeros(7, 7).constant is None  # past the largest known input: an ordinary fake tensor
+            big = mask.view(2, 1, 3).repeat(1, 3, 1)  # larger than nonzero of a known input: not computed
+            assert big.constant is None and mask.constant is not None and big.shape == (2, 3, 3)
         assert fake_tensor.CONSTANT_NUMEL_LIMIT == limit
         with known_values({"x": x}):  # no known input: nothing changes
             assert fake_tensor.CONSTANT_NUMEL_LIMIT == limit and torch.zeros(1, 2).constant is None
