@@ -170,6 +170,11 @@ _REFUSED: dict[str, str] = {
     "allocation does not)",
     "CogView4Transformer2DModel": "in CogView4's forward, tensors of several sizes are freed together as a module "
     "returns, in an order the splice does not reproduce (the same bytes freed, in another order)",
+    "MochiTransformer3DModel": "Mochi's last block is context_pre_only and returns its text stream untouched, so the "
+    "text output of the block before it is freed after the blocks: a free the splice does not reproduce (outside the "
+    "blocks, of a storage a middle block allocated)",
+    "HunyuanVideo15Transformer3DModel": "in HunyuanVideo 1.5's forward, tensors of several sizes are freed together "
+    "as a module returns, in an order the splice does not reproduce (the same bytes freed, in another order)",
 }
 
 # Models with a layer outside the blocks sized by the block counts: a probe built with four blocks per list would shrink

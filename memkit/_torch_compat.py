@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import sys
 import warnings
@@ -190,47 +191,102 @@ def fake_module_to() -> Iterator[None]:
         torch.nn.Module.to = original
 
 
-# --- fake tensors that carry their values (a model that reads an input's values: Lumina2's caption lengths) ---------
-
-
-def fake_with_values(make: Callable[[], Any]) -> Any:
-    """torch 2.8-2.14: the tensor ``make()`` builds, made outside fake mode; under a ``FakeTensorMode``, a fake tensor
-    of it that carries its values (torch's ``FakeTensor.constant``, as it keeps a ``torch.tensor(0.)`` literal's) and
-    holds no memory but its fake storage's, so a model reading them (``.tolist()``, ``.item()``) gets the real values.
-    Outside fake mode: ``make()`` itself.
+def known_constant(make: Callable[[], Any]) -> Any:
+    """torch 2.8-2.14: the tensor ``make()`` builds, as a fake tensor of the active ``FakeTensorMode`` that keeps
+    its values (a fake "constant", built for real outside the mode), so ops whose output shape depends on values
+    (``nonzero``, boolean indexing) can run on it and on what :func:`known_values` lets inherit them; outside fake
+    mode, ``make()`` itself.
 
     Example:
         >>> with FakeTensorMode():
-        ...     fake_with_values(lambda: torch.ones(2, 3, dtype=torch.long)).sum().item()    # 6
+        ...     mask = known_constant(lambda: torch.ones(2, 8, dtype=torch.bool))   # mask.constant holds the ones
     """
+    from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily() as mode:
-        real = make()
+    mode = detect_fake_mode()
     if mode is None:
-        return real
+        return make()
+    with unset_fake_temporarily():
+        real = make()
     return mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
 
 
 @contextlib.contextmanager
-def fake_values_kept(numel: int) -> Iterator[None]:
-    """torch 2.8-2.14: while active, fake tensors computed from fake tensors that carry values (see
-    :func:`fake_with_values`) carry theirs too up to ``numel`` elements, not only scalars (torch's
-    ``fake_tensor.CONSTANT_NUMEL_LIMIT``, 1): a batch's caption lengths, ``mask.sum(1)``, stay readable. Outputs
-    are the same fake tensors (shapes, strides, storages) either way; a smaller ``numel`` than torch's changes nothing.
+def known_values(inputs: Any) -> Iterator[None]:
+    """torch 2.8-2.14: while active, values stay known under ``FakeTensorMode`` for tensors up to the size of
+    ``nonzero`` of the largest fake constant (:func:`known_constant`) among ``inputs``: ops on constants keep their
+    values (torch keeps them up to one element, ``fake_tensor.CONSTANT_NUMEL_LIMIT``), and so do the fills
+    ``zeros``, ``ones`` and ``full`` (an ordinary fake tensor stands for them otherwise), so a data-dependent op
+    (``nonzero``, boolean indexing, ``if tensor``) on what derives from them runs. Mochi's attention takes
+    ``nonzero`` of a row of its text mask; HunyuanVideo 1.5 indexes its tokens by masks it builds with
+    ``torch.zeros`` and branches on ``torch.all(image_embeds == 0)``. Enter it before any op touches the inputs (a
+    view of a constant taken while torch keeps one element makes the constant forget its values). Nothing changes
+    when ``inputs`` (a dict of forward arguments) holds no constant.
 
     Example:
-        >>> with FakeTensorMode(), fake_values_kept(2):
-        ...     fake_with_values(lambda: torch.ones(2, 3, dtype=torch.long)).sum(1).tolist()     # [3, 3]
+        >>> with FakeTensorMode():
+        ...     inputs = make_inputs(model)
+        ...     with known_values(inputs):
+        ...         model(**inputs)
     """
+    import torch
+    from torch._guards import detect_fake_mode
     from torch._subclasses import fake_tensor
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    saved = fake_tensor.CONSTANT_NUMEL_LIMIT
-    fake_tensor.CONSTANT_NUMEL_LIMIT = max(saved, numel)
-    try:
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    # the largest nonzero of a known input: one index per element and dimension
+    sizes = [
+        t.numel() * max(t.dim(), 1) for t in values if isinstance(t, fake_tensor.FakeTensor) and t.constant is not None
+    ]
+    mode = detect_fake_mode()
+    if not sizes or mode is None:
         yield
+        return
+    limit = max(sizes)
+    fills = (torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default)
+
+    def too_large(func, args, kwargs) -> bool:  # the op's outputs, from its meta kernel
+        try:
+            with fake_tensor.in_kernel_invocation_manager(mode):
+                out = func(*args, **kwargs)
+        except Exception:  # a data-dependent meta kernel (nonzero): its output is no larger than its input
+            return False
+        return any(t.numel() > limit for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+    class KnownFills(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in fills and math.prod(args[0]) <= limit and str(kwargs.get("device")) != "meta":
+                return known_constant(lambda: func(*args, **kwargs))
+            known = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, fake_tensor.FakeTensor)]
+            if (
+                known
+                and all(t.constant is not None for t in known)
+                and not func._schema.is_mutable
+                and too_large(func, args, kwargs)
+            ):
+                # torch computes an op on constants for real before it looks at the size of the result: a
+                # HunyuanVideo 1.5 attention mask of (tokens x tokens) would be gigabytes of host memory per block
+                constants = [t.constant for t in known]
+                for t in known:
+                    t.constant = None
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    for t, c in zip(known, constants, strict=True):
+                        t.constant = c
+            return func(*args, **kwargs)
+
+    original = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(original, limit)
+    try:
+        with KnownFills():
+            yield
     finally:
-        fake_tensor.CONSTANT_NUMEL_LIMIT = saved
+        fake_tensor.CONSTANT_NUMEL_LIMIT = original
 
 
 # --- CPU feature probes and the profiler ---------------------------------------------------------------------------

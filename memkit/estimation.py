@@ -40,13 +40,13 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from tqdm.auto import tqdm
 
 from . import _memo, _splice
-from . import _torch_compat as _compat
 from ._results import _cache_key, _lookup, _store, clear_cache
+from ._torch_compat import known_values
 from .handle import Optimization, apply_all
 from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
-from .memory.recording import _owned_of, _tensors_of, track
+from .memory.recording import _owned_of, track
 from .memory.timeline import Timeline
 from .models import _build, _default_dtype, config_preset, load_model, make_inputs
 from .naming import resolve, unestimable
@@ -372,8 +372,7 @@ def _measure(
     # the mesh must exist before fake mode (built inside, it fails); the process group ends with the estimate
     group = parallel.process_group() if parallel is not None else contextlib.nullcontext()
     quiet = warnings.catch_warnings()
-    values = contextlib.ExitStack()  # inputs whose values the model reads keep them (see below)
-    with bar, group as mesh, quiet, FakeTensorMode(), values, _default_dtype(dtype), planning(device) as plan:
+    with bar, group as mesh, quiet, FakeTensorMode(), _default_dtype(dtype), planning(device) as plan:
         # FSDP2 warns that diffusers' output is a view an in-place op would detach from its hooks: the step's loss
         # is out of place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -386,12 +385,11 @@ def _measure(
         if memoize and not lists:
             return None
         applied = sharded_order(optimizations, parallel, mesh) if parallel is not None else optimizations
-        with apply_all(net, applied) as handle:
+        with apply_all(net, applied) as handle, contextlib.ExitStack() as stack:
             kwargs = inputs(net) if inputs is not None else make_inputs(net, batch_size=batch_size, seed=seed, **sizes)
-            # Lumina2 sums its attention mask into each caption's length (.tolist()): the mask carries its values, and
-            # what the model computes from it keeps them up to the mask's size (mask.sum(1): one per sample)
-            known = [t.numel() for t in _tensors_of(kwargs) if getattr(t, "constant", None) is not None]
-            values.enter_context(_compat.fake_values_kept(max(known, default=0)))
+            # inputs that keep their values (attention masks): Mochi finds its valid tokens by nonzero of its mask,
+            # HunyuanVideo 1.5 indexes tokens by masks, Lumina2 sums its mask into caption lengths (.tolist())
+            stack.enter_context(known_values(kwargs))
             runner = step.bind(net, handle)
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)

@@ -324,14 +324,16 @@ def make_inputs(model: torch.nn.Module, *, batch_size: int = 1, seed: int = 0, *
     """The keyword arguments of ``model(**inputs)``, random but deterministic for ``seed``, with realistic shapes.
 
     Sizes are in pixels and tokens, as a user thinks of them: ``height``, ``width`` (pixels; the latent is
-    what the preset's VAE makes of them, /8 or /32 for LTX-Video, and must split into whole patches),
-    ``frames`` (video presets; 4k+1 for Wan, HunyuanVideo and CogVideoX, 8k+1 for LTX-Video and LTX-2, whose audio
-    is as long as the video at 24 fps) and ``text_len`` (text tokens; not for DiT; exactly 226 for CogVideoX-2b,
-    whose position table follows the padded T5 prompt; a multiple of 128 for LTX-2, its text connectors' registers).
-    Defaults follow the size the model was built at (see ``PRESETS[name].input_sizes``); a model loaded from a
-    folder that matches no preset config gets the full-size defaults. Float tensors are in the model's dtype
-    and on its device; the global RNG is untouched; works inside ``FakeTensorMode``. The output is requested as
-    a tuple (``return_dict=False``): use `model_output` to get the tensor.
+    what the preset's VAE makes of them, /8, /16 for Wan2.2-TI2V-5B and HunyuanVideo 1.5 or /32 for LTX-Video and
+    LTX-2, and must split into whole patches), ``frames`` (video presets; 4k+1 for Wan, HunyuanVideo (1.5) and
+    CogVideoX, 6k+1 for Mochi, 8k+1 for LTX-Video and LTX-2, whose audio is as long as the video at 24 fps) and
+    ``text_len`` (text tokens; not for DiT; exactly 226 for CogVideoX-2b, whose position table follows the padded T5
+    prompt; a multiple of 128 for LTX-2, its text connectors' registers). Defaults follow the size the model was
+    built at (see ``PRESETS[name].input_sizes``); a model loaded from a folder that matches no preset config gets
+    the full-size defaults. Float tensors are in the model's dtype and on its device; the global RNG is
+    untouched; works inside ``FakeTensorMode`` (attention masks, and other inputs whose values decide shapes,
+    are fake tensors that keep their values: run the model under `memkit._torch_compat.known_values`). The
+    output is requested as a tuple (``return_dict=False``): use `model_output` to get the tensor.
 
     Example:
         >>> model = load_model("ltx-video")

@@ -104,7 +104,7 @@ def test_every_preset_default_step(preset):
     assert_same(*both(deep(preset)))
 
 
-@pytest.mark.parametrize("preset", ["qwen-image", "cogview4"])
+@pytest.mark.parametrize("preset", ["qwen-image", "cogview4", "mochi", "hunyuanvideo-1.5"])
 def test_a_refused_model_runs_every_block_and_says_why(preset):
     from memkit.presets import PRESETS
 

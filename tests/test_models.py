@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
+from memkit._torch_compat import known_values
 from memkit.models import load_model, make_inputs, preset_of
 from memkit.presets import PRESETS, SIZES, Preset
 from memkit.step import model_output, train_step
@@ -49,6 +50,9 @@ PUBLISHED = {
     "ltx-2": 19e9,
     "z-image": 6e9,  # Z-Image, "6B parameters" (the README of Tongyi-MAI/Z-Image and the model card), see ROUNDED
     "lumina2": 2.6e9,  # Lumina-Image 2.0, "2.6B" (the model table of Alpha-VLLM/Lumina-Image-2.0's README)
+    "mochi": 10e9,  # Mochi 1's model card (genmo/mochi-1-preview): "a 10 billion parameter diffusion model"
+    # HunyuanVideo 1.5 technical report (arXiv 2511.18870) and model card: "only 8.3 billion parameters"
+    "hunyuanvideo-1.5": 8.3e9,
 }
 
 # Published counts that are a rounded name, not a measurement: the unit they are rounded to. diffusers' CogVideoX-2b
@@ -70,9 +74,12 @@ ROUNDED |= {"chroma": 0.1e9, "cogview4": 1e9}
 ROUNDED |= {"ltx-2": 1e9}
 # Z-Image-Turbo: 6,154,908,736, "6B" to the billion. Lumina-Image 2.0: 2,609,769,152, "2.6B" to the hundred million.
 ROUNDED |= {"z-image": 1e9, "lumina2": 0.1e9}
+# Mochi 1: 10,027,677,744, "10 billion" to the billion. HunyuanVideo 1.5 (480p T2V): 8,326,608,160, "8.3 billion".
+ROUNDED |= {"mochi": 1e9, "hunyuanvideo-1.5": 0.1e9}
 # Published counts given to the parameter.
 EXACT = {"cogvideox-5b"}
 
+WB = ("weight", "bias")
 # Parameters that get no gradient by construction of the released architecture, not by a bug of the preset.
 NO_GRAD = {
     # SD3's last joint block is "context_pre_only": its text-stream output is dropped, so the text queries of
@@ -99,6 +106,18 @@ NO_GRAD = {
             "txt_mlp.net.2.bias",
         )
     },  # fmt: skip
+    # Mochi's last block is "context_pre_only", as SD3's: the text queries of that block feed nothing.
+    "mochi": {"transformer_blocks.1.attn1.add_q_proj.weight", "transformer_blocks.1.attn1.norm_added_q.weight"},
+    # HunyuanVideo 1.5, text-to-video: the image tokens are multiplied by 0 (the pipeline's image embeddings are
+    # zeros), the glyph tokens of a prompt without quoted text replaced by zeros (none valid in their mask), and the
+    # last block's text stream is dropped as Qwen-Image's: the release trains the same dead paths on such prompts.
+    "hunyuanvideo-1.5": {
+        *(f"image_embedder.{n}.{p}" for n in ("norm_in", "linear_1", "linear_2", "norm_out") for p in WB),
+        *(f"context_embedder_2.{n}.{p}" for n in ("norm", "linear_1", "linear_2", "linear_3") for p in WB),
+        *(f"transformer_blocks.1.attn.{n}.{p}" for n in ("add_q_proj", "to_add_out") for p in WB),
+        "transformer_blocks.1.attn.norm_added_q.weight",
+        *(f"transformer_blocks.1.ff_context.net.{n}.{p}" for n in ("0.proj", "2") for p in WB),
+    },
 }
 
 # Pixels per latent token edge and frames per latent frame: the smallest steps each preset's inputs take.
@@ -112,6 +131,8 @@ PIXEL_STEP |= {"flux2-dev": 16, "chroma": 16, "auraflow": 16, "cogview4": 16, "z
 FRAME_STEP = {"ltx-video": 8, "wan": 4, "hunyuanvideo": 4, "cogvideox-5b": 4, "cogvideox-2b": 4}
 FRAME_STEP |= {"wan2.1-1.3b": 4, "wan2.2-ti2v-5b": 4, "wan2.2-t2v-a14b": 4}
 FRAME_STEP |= {"ltx-2": 8}
+PIXEL_STEP |= {"mochi": 16, "hunyuanvideo-1.5": 16}
+FRAME_STEP |= {"mochi": 6, "hunyuanvideo-1.5": 4}
 
 
 def expected_output_shape(name: str, config, batch: int, height: int, width: int, frames: int = 1) -> tuple:
@@ -134,6 +155,10 @@ def expected_output_shape(name: str, config, batch: int, height: int, width: int
         return (batch, config.in_channels, 1, h, w)
     if name == "lumina2":  # out_channels None: in_channels
         return (batch, config.in_channels, h, w)
+    if name == "mochi":  # 8x spatial, 6x temporal VAE
+        return (batch, config.in_channels, (frames - 1) // 6 + 1, h, w)
+    if name == "hunyuanvideo-1.5":  # 16x spatial, 4x temporal VAE; the output has the latent's channels only
+        return (batch, config.out_channels, (frames - 1) // 4 + 1, height // 16, width // 16)
     return (batch, config.out_channels, h, w)
 
 
@@ -174,8 +199,8 @@ def states_equal(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> bool:
 def test_presets_cover_every_size_with_a_diffusers_class():
     assert NAMES == [
         "flux", "sd3", "sd3.5-large", "sd3.5-medium", "ltx-video", "ltx-2", "wan", "wan2.1-1.3b", "wan2.2-ti2v-5b",
-        "wan2.2-t2v-a14b", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "unet", "sdxl", "pixart", "dit", "sana",
-        "qwen-image",
+        "wan2.2-t2v-a14b", "hunyuanvideo", "cogvideox-5b", "cogvideox-2b", "mochi", "hunyuanvideo-1.5", "unet", "sdxl",
+        "pixart", "dit", "sana", "qwen-image",
         "flux2-dev", "chroma", "auraflow", "cogview4", "z-image", "lumina2",
     ]  # fmt: skip
     for name, preset in PRESETS.items():
@@ -183,6 +208,10 @@ def test_presets_cover_every_size_with_a_diffusers_class():
         assert hasattr(diffusers, preset.model_class)
         assert set(preset.configs) == set(preset.input_sizes) == set(SIZES)
         assert preset.description and "\n" not in preset.description
+
+
+# HunyuanVideo 1.5's glyph-text projection is 2048 wide whatever the config (4.2M of its tiny model's 4.4M).
+TINY_PARAMETERS |= {"hunyuanvideo-1.5": 5_000_000}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -217,7 +246,7 @@ def test_train_step_reaches_every_parameter_and_keeps_the_latent_shape(name):
     out = model_output(model(**inputs))
     frames = sizes.get("frames", 1)
     assert out.shape == expected_output_shape(name, model.config, 2, sizes["height"], sizes["width"], frames)
-    if name not in ("pixart", "dit"):
+    if name not in ("pixart", "dit", "hunyuanvideo-1.5"):  # HunyuanVideo 1.5's input has the image condition too
         assert out.shape == latent_input(inputs).shape
 
 
@@ -258,6 +287,8 @@ FULL_LATENTS = {  # the full-size default inputs: 1024x1024 images, 512x512 UNet
     "ltx-2": (1, 16 * 16 * 24, 128),  # 121 frames x 512 x 768 px
     "z-image": (1, 16, 1, 128, 128),  # each sample's (C, 1, H, W), stacked
     "lumina2": (1, 16, 128, 128),
+    "mochi": (1, 12, 4, 60, 106),  # 19 frames x 480 x 848 px through the 8x, 6x VAE
+    "hunyuanvideo-1.5": (1, 65, 31, 30, 53),  # 121 frames x 480 x 848 px through the 16x VAE; 32 + 32 + 1 channels
 }
 
 
@@ -299,8 +330,10 @@ def test_small_size_has_30_to_100m_parameters(name):
 def test_forward_and_backward_run_under_fake_mode(name):
     with FakeTensorMode():
         model = load_model(name)
-        out = model_output(model(**make_inputs(model)))
-        out.float().pow(2).mean().backward()
+        inputs = make_inputs(model)
+        with known_values(inputs):  # Mochi's and HunyuanVideo 1.5's masks: their values decide shapes
+            out = model_output(model(**inputs))
+            out.float().pow(2).mean().backward()
         assert all(is_fake(p.grad) for p in model.parameters() if p.grad is not None)
 
 
@@ -565,6 +598,10 @@ def test_default_dtype_is_restored_when_construction_fails(monkeypatch):
         ("sdxl", {"width": 36}, "width"),
         ("hunyuanvideo", {"frames": 8}, "frames"),
         ("hunyuanvideo", {"height": 40}, "height"),
+        ("mochi", {"frames": 9}, r"frames=9 must be 6\*k\+1"),
+        ("mochi", {"width": 40}, "width"),
+        ("hunyuanvideo-1.5", {"frames": 8}, "frames"),
+        ("hunyuanvideo-1.5", {"height": 24}, "height"),
         ("cogvideox-5b", {"width": 24}, "width"),
         ("cogvideox-2b", {"text_len": 9}, r"text_len=9 must be 8 \(max_text_seq_length\)"),
         ("unet", {"text_len": 0}, "text_len"),

@@ -35,6 +35,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FRAMES = {"ltx-video": 65, "wan": 33, "hunyuanvideo": 65, "cogvideox-5b": 33, "cogvideox-2b": 33}
 FRAMES |= {"wan2.1-1.3b": 33, "wan2.2-ti2v-5b": 33, "wan2.2-t2v-a14b": 33}
 FRAMES |= {"ltx-2": 65}
+# Mochi's 6x temporal VAE: 49 frames are 9 latent frames (at 25 its update still tops the backward). HunyuanVideo 1.5:
+# 9 latent frames too, though no frame count moves its peak (see PHASE).
+FRAMES |= {"mochi": 49, "hunyuanvideo-1.5": 33}
 
 # variant -> (mode, batch size, make_inputs sizes, the phase the tracked peak falls in; None: not claimed)
 VARIANTS = {
@@ -53,6 +56,11 @@ PHASE = {("hunyuanvideo", "batch2-128px"): "forward"}
 # Tiny Z-Image's timestep MLP (0.3M parameters: 1024 wide whatever the model's width) makes the fp32 AdamW update top
 # the backward at batch 2 and 128 px (bf16's backward tops it): not claimed.
 PHASE |= {("z-image", "batch2-128px"): None}
+# Tiny HunyuanVideo 1.5 has 4.4M parameters, nearly all in its glyph-text projection (2048 wide whatever the config),
+# and ~2,000 text and image tokens at any size: its update tops the backward at 256 px and at 33 to 129 frames (4
+# latent tokens a frame at 32 px) alike; at batch 2 and 128 px the end of its forward does.
+PHASE |= {("hunyuanvideo-1.5", v): "optimizer" for v in ("256px", "frames")}
+PHASE |= {("hunyuanvideo-1.5", "batch2-128px"): "forward"}
 
 
 # Cases where the tracked peak is not the profiler's yet, each with what was measured (strict: a fix makes it fail).

@@ -335,24 +335,30 @@ def test_fake_module_to_casts_fake_modules_that_torch_refuses_to_swap():
     assert torch.equal(real.weight, before.double())
 
 
-def test_a_fake_tensor_with_values_is_read_and_keeps_them_through_ops_up_to_a_size():
+def test_known_values_let_data_dependent_ops_run_on_fake_masks():
     from torch._subclasses import fake_tensor
-    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 
-    from memkit._torch_compat import fake_values_kept, fake_with_values
+    from memkit._torch_compat import known_constant, known_values
 
-    def mask():
-        return torch.tensor([[1, 1, 0], [1, 0, 0]])
-
-    assert not is_fake(fake_with_values(mask))  # outside fake mode: the real tensor
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    assert known_constant(lambda: torch.ones(2)).tolist() == [1.0, 1.0]  # outside fake mode: the tensor itself
     with FakeTensorMode():
-        fake = fake_with_values(mask)
-        assert is_fake(fake) and fake.shape == (2, 3) and fake.sum().item() == 3
-        with pytest.raises(DataDependentOutputException):  # torch keeps a scalar's values only
-            fake.sum(1).tolist()
-        with fake_values_kept(2):
-            lengths = fake.sum(1)
-            assert is_fake(lengths) and lengths.tolist() == [2, 1]
-        with fake_values_kept(0):  # below torch's own limit: torch's
-            assert fake_tensor.CONSTANT_NUMEL_LIMIT == 1
-    assert fake_tensor.CONSTANT_NUMEL_LIMIT == 1  # put back
+        mask = known_constant(lambda: torch.tensor([[True, False, True], [True, True, True]]))
+        x = torch.randn(2, 3, 4)
+        assert isinstance(mask, FakeTensor) and mask.constant is not None
+        other = known_constant(lambda: torch.ones(2, 3, dtype=torch.bool))
+        with pytest.raises(DynamicOutputShapeException):  # why: a row of a mask is past torch's one element (and
+            torch.nonzero(other[0])  # the view made the mask forget its values)
+        with known_values({"mask": mask, "x": x}):
+            assert torch.nonzero(mask[0]).shape == (2, 1)  # Mochi's valid tokens of one sample
+            assert x[0][mask[0]].shape == (2, 4)
+            assert mask.long().sum(1).tolist() == [2, 3]  # Lumina2's caption lengths, read with .tolist()
+            zeros = torch.zeros(2, 3, dtype=torch.bool)  # HunyuanVideo 1.5's image mask, built in its forward
+            assert x[~zeros].shape == (6, 4) and bool(torch.all(zeros == 0))
+            assert torch.zeros(7, 7).constant is None  # past the largest known input: an ordinary fake tensor
+            big = mask.view(2, 1, 3).repeat(1, 3, 1)  # larger than nonzero of a known input: not computed
+            assert big.constant is None and mask.constant is not None and big.shape == (2, 3, 3)
+        assert fake_tensor.CONSTANT_NUMEL_LIMIT == limit
+        with known_values({"x": x}):  # no known input: nothing changes
+            assert fake_tensor.CONSTANT_NUMEL_LIMIT == limit and torch.zeros(1, 2).constant is None

@@ -89,11 +89,12 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "HiDreamImageTransformer2DModel": ("to_k", "to_q", "to_v", "to_out"),
 }
 """Model class -> the modules diffusers' LoRA training script for that family targets by default. Classes not
-listed (Wan, LTX-Video, DiT) get :data:`ATTENTION`, the attention projections finetrainers and diffusers'
-``train_dreambooth_lora_qwen_image.py`` target, as do ``train_dreambooth_lora_z_image.py`` (Z-Image) and
-``train_dreambooth_lora_lumina2.py`` (Lumina2) without ``--lora_layers``; LTX-2 too, as Lightricks' ltx-trainer
-recommends for audio-video training (``packages/ltx-trainer/docs/configuration-reference.md``: every attention of both
-streams and between them)."""
+listed (Wan, LTX-Video, DiT, Mochi, HunyuanVideo 1.5) get :data:`ATTENTION`, the attention projections finetrainers
+and diffusers' ``train_dreambooth_lora_qwen_image.py`` target, as do ``train_dreambooth_lora_z_image.py`` (Z-Image)
+and ``train_dreambooth_lora_lumina2.py`` (Lumina2) without ``--lora_layers``; Mochi's own script (cogvideox-factory's
+``training/mochi-1/args.py``, ``--target_modules`` default) targets the same four; LTX-2 too, as Lightricks'
+ltx-trainer recommends for audio-video training (``packages/ltx-trainer/docs/configuration-reference.md``: every
+attention of both streams and between them). HunyuanVideo 1.5 has no LoRA script in diffusers or finetrainers."""
 
 ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")
 

@@ -2,13 +2,13 @@
 
 A preset is everything memkit needs to build a model and feed it: the diffusers class behind Flux, SD3 (3.5 Large
 and Medium share its class), LTX-Video, LTX-2, Wan (2.1 14B and 1.3B, 2.2 TI2V-5B and an A14B expert share one
-class), HunyuanVideo, CogVideoX (5b and 2b), the SD1.5 and SDXL UNets, PixArt-Sigma, DiT, Sana, Qwen-Image, FLUX.2,
-Chroma, AuraFlow, CogView4, Z-Image or Lumina-Image 2.0, its config at each size (``tiny``: tests; ``small``:
-30-100M parameters, benchmarks; ``full``: the released config), the default input sizes, and the function that
-builds the forward's keyword arguments from pixel and token sizes. Each preset's input builder sits right above its
-config, in the file of its kind (``mmdit.py``: joint text-image attention; ``image.py``: cross-attention or a class
-label; ``video.py``), so adding a model is one block there and one name in the menu below; ``_base.py`` holds `Preset`
-and the builders' helpers.
+class), HunyuanVideo, CogVideoX (5b and 2b), Mochi 1, HunyuanVideo 1.5, the SD1.5 and SDXL UNets, PixArt-Sigma, DiT,
+Sana, Qwen-Image, FLUX.2, Chroma, AuraFlow, CogView4, Z-Image or Lumina-Image 2.0, its config at each size (``tiny``:
+tests; ``small``: 30-100M parameters, benchmarks; ``full``: the released config), the default input sizes, and the
+function that builds the forward's keyword arguments from pixel and token sizes. Each preset's input builder sits
+right above its config, in the file of its kind (``mmdit.py``: joint text-image attention; ``image.py``:
+cross-attention or a class label; ``video.py``), so adding a model is one block there and one name in the menu below;
+``_base.py`` holds `Preset` and the builders' helpers.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from .video import (
     _COGVIDEOX_2B,
     _COGVIDEOX_5B,
     _HUNYUAN_VIDEO,
+    _HUNYUAN_VIDEO15,
     _LTX,
     _LTX2,
+    _MOCHI,
     _WAN,
     _WAN22_T2V_A14B,
     _WAN22_TI2V_5B,
@@ -47,8 +49,8 @@ __all__ = ["PRESETS", "SIZES", "InputBuilder", "Preset", "_Maker"]
 
 _ALL = (
     _FLUX, _SD3, _SD35_LARGE, _SD35_MEDIUM, _LTX, _LTX2, _WAN, _WAN_1_3B, _WAN22_TI2V_5B, _WAN22_T2V_A14B,
-    _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _UNET, _SDXL, _PIXART, _DIT, _SANA, _QWEN_IMAGE, _FLUX2, _CHROMA,
-    _AURAFLOW, _COGVIEW4, _Z_IMAGE, _LUMINA2,
+    _HUNYUAN_VIDEO, _COGVIDEOX_5B, _COGVIDEOX_2B, _MOCHI, _HUNYUAN_VIDEO15, _UNET, _SDXL, _PIXART, _DIT, _SANA,
+    _QWEN_IMAGE, _FLUX2, _CHROMA, _AURAFLOW, _COGVIEW4, _Z_IMAGE, _LUMINA2,
 )  # fmt: skip
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _ALL})
 """Preset name -> `Preset`, in menu order."""

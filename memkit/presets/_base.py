@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import fake_with_values
-
 __all__ = ["SIZES", "InputBuilder", "Preset"]
 
 SIZES = ("tiny", "small", "full")
@@ -82,10 +80,17 @@ class _Maker:
     def full(self, shape: tuple[int, ...], value: float) -> torch.Tensor:
         return torch.full(shape, value, dtype=self.dtype, device=self.device)
 
-    def known(self, shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
-        """``torch.full`` for an input whose values the model reads (Lumina2 sums its attention mask into caption
-        lengths, ``.tolist()``): under fake tensors it carries them (`memkit._torch_compat.fake_with_values`)."""
-        return fake_with_values(lambda: torch.full(shape, value, dtype=dtype, device=self.device))
+    def mask(self, *shape: int, valid: bool = True, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """An attention mask, every token ``valid`` (or none). Under ``FakeTensorMode`` a fake tensor that keeps its
+        values (``memkit._torch_compat.known_constant``): models that drop or reorder padding by ``nonzero`` of the
+        mask (Mochi, HunyuanVideo 1.5) or sum it into caption lengths (Lumina2) take their shapes from them."""
+        return self.known(lambda: torch.full(shape, valid, dtype=dtype, device=self.device))
+
+    def known(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor ``make()`` builds, its values kept under ``FakeTensorMode`` (see `mask`)."""
+        from .._torch_compat import known_constant
+
+        return known_constant(make)
 
 
 def _latent(sizes: Mapping[str, int], key: str, vae: int, patch: int) -> int:

@@ -437,7 +437,7 @@ def _lumina2_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) ->
         "hidden_states": make.randn(b, cfg["in_channels"], h, w),
         "timestep": make.timestep(b, scale=1.0),
         "encoder_hidden_states": make.randn(b, s["text_len"], cfg["cap_feat_dim"]),
-        "encoder_attention_mask": make.known((b, s["text_len"]), 1, torch.long),
+        "encoder_attention_mask": make.mask(b, s["text_len"], dtype=torch.long),
     }
 
 

@@ -1,5 +1,5 @@
-"""The video presets: LTX-Video, LTX-2 (audio and video), Wan 2.1 and 2.2, HunyuanVideo and CogVideoX. Each preset's
-input builder sits right above its config."""
+"""The video presets: LTX-Video, LTX-2 (audio and video), Wan 2.1 and 2.2, HunyuanVideo, CogVideoX, Mochi and
+HunyuanVideo 1.5. Each preset's input builder sits right above its config."""
 
 from __future__ import annotations
 
@@ -416,5 +416,105 @@ _COGVIDEOX_2B = _preset(
     _COGVIDEOX_SIZES,
     _cogvideox_inputs,
     "THUDM/CogVideoX-2b",
+)
+
+
+def _mochi_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # MochiPipeline: 8x spatial, 6x temporal VAE of 12 channels; T5-XXL hidden states (4096 wide) with their boolean
+    # mask, every token valid (a prompt of text_len tokens; the pipeline pads to max_sequence_length=256). Its
+    # attention keeps each sample's valid text tokens by nonzero of the mask: the mask keeps its values under fake
+    # tensors (make.mask).
+    p = cfg["patch_size"]
+    h, w, f = _latent(s, "height", 8, p), _latent(s, "width", 8, p), _latent_frames(s, 6)
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], f, h, w),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_embed_dim"]),
+        "timestep": make.timestep(b),
+        "encoder_attention_mask": make.mask(b, s["text_len"]),
+    }
+
+
+_MOCHI = _preset(
+    "mochi",
+    "MochiTransformer3DModel",
+    "Mochi 1 preview transformer (10.0B at full size)",
+    {
+        "tiny": dict(patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2, pooled_projection_dim=32,
+                     in_channels=12, text_embed_dim=32, time_embed_dim=16),
+        "small": dict(patch_size=2, num_attention_heads=8, attention_head_dim=64, num_layers=6,
+                      pooled_projection_dim=256, in_channels=12, text_embed_dim=4096, time_embed_dim=256),
+        # genmo/mochi-1-preview transformer/config.json: the class defaults, which diffusers'
+        # scripts/convert_mochi_to_diffusers.py builds the released weights into (MochiTransformer3DModel())
+        "full": dict(patch_size=2, num_attention_heads=24, attention_head_dim=128, num_layers=48,
+                     pooled_projection_dim=1536, in_channels=12, out_channels=None, qk_norm="rms_norm",
+                     text_embed_dim=4096, time_embed_dim=256, activation_fn="swiglu", max_sequence_length=256),
+    },
+    {
+        "tiny": dict(height=32, width=32, frames=7, text_len=8),
+        "small": dict(height=128, width=128, frames=13, text_len=64),
+        # MochiPipeline's defaults: 480x848 px, 19 frames, max_sequence_length 256
+        "full": dict(height=480, width=848, frames=19, text_len=256),
+    },
+    _mochi_inputs,
+    "genmo/mochi-1-preview",
+)
+
+
+# HunyuanVideo15Pipeline's fixed token counts: ByT5 glyph-text tokens (tokenizer_2_max_length) and SigLIP image
+# tokens (vision_num_semantic_tokens, 27 x 27)
+_HV15_GLYPH_TOKENS, _HV15_IMAGE_TOKENS = 256, 729
+
+
+def _hunyuan_video15_inputs(cfg: Mapping, b: int, s: Mapping[str, int], make: _Maker) -> dict[str, Any]:
+    # HunyuanVideo15Pipeline (text-to-video): 16x spatial, 4x temporal VAE of 32 channels; the latents, the image
+    # condition's latents and its mask stacked on channels (32 + 32 + 1 = in_channels; zeros for text-to-video);
+    # Qwen2.5-VL hidden states (3584 wide; the pipeline pads the prompt to 1000 tokens) with their mask, every token
+    # valid; ByT5 hidden states of the prompt's quoted glyph text (1472 wide, 256 tokens) with their mask, none
+    # valid (a prompt without quoted text: the pipeline's zeros); SigLIP image embeddings, zeros for text-to-video,
+    # which the transformer tells by torch.all(image_embeds == 0). The masks and image embeddings keep their values
+    # under fake tensors (make.mask, make.known): the transformer reorders its text tokens by indexing with masks.
+    p, pt = cfg["patch_size"], cfg["patch_size_t"]
+    h, w, f = _latent(s, "height", 16, p), _latent(s, "width", 16, p), _latent_frames(s, 4)
+    if f % pt:
+        raise ValueError(f"frames={s['frames']} gives {f} latent frames, not a multiple of patch_size_t={pt}")
+    image = (b, _HV15_IMAGE_TOKENS, cfg["image_embed_dim"])
+    return {
+        "hidden_states": make.randn(b, cfg["in_channels"], f, h, w),
+        "timestep": make.timestep(b),
+        "encoder_hidden_states": make.randn(b, s["text_len"], cfg["text_embed_dim"]),
+        "encoder_attention_mask": make.mask(b, s["text_len"], dtype=torch.int64),
+        "encoder_hidden_states_2": make.randn(b, _HV15_GLYPH_TOKENS, cfg["text_embed_2_dim"]),
+        "encoder_attention_mask_2": make.mask(b, _HV15_GLYPH_TOKENS, valid=False, dtype=torch.int64),
+        "image_embeds": make.known(lambda: torch.zeros(image, dtype=make.dtype, device=make.device)),
+    }
+
+
+# hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v transformer/config.json: diffusers'
+# scripts/convert_hunyuan_video1_5_to_diffusers.py, TRANSFORMER_CONFIGS["480p_t2v"] (the 720p checkpoints differ in
+# target_size only: 960)
+_HUNYUAN_VIDEO15 = _preset(
+    "hunyuanvideo-1.5",
+    "HunyuanVideo15Transformer3DModel",
+    "HunyuanVideo 1.5 480p text-to-video transformer (8.3B at full size)",
+    {
+        "tiny": dict(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+                     num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=24,
+                     image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=640, task_type="t2v"),
+        "small": dict(in_channels=65, out_channels=32, num_attention_heads=8, attention_head_dim=64, num_layers=4,
+                      num_refiner_layers=1, patch_size=1, patch_size_t=1, text_embed_dim=3584, text_embed_2_dim=1472,
+                      image_embed_dim=1152, rope_axes_dim=(16, 24, 24), target_size=640, task_type="t2v"),
+        "full": dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
+                     num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm",
+                     text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152, rope_theta=256.0,
+                     rope_axes_dim=(16, 56, 56), use_meanflow=False, target_size=640, task_type="t2v"),
+    },
+    {
+        "tiny": dict(height=32, width=32, frames=5, text_len=8),
+        "small": dict(height=128, width=128, frames=9, text_len=64),
+        # HunyuanVideo15Pipeline's defaults: 480x848 px (16:9 at target_size 640), 121 frames, 1000 Qwen tokens
+        "full": dict(height=480, width=848, frames=121, text_len=1000),
+    },
+    _hunyuan_video15_inputs,
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
 )
 # fmt: on
