@@ -177,7 +177,7 @@ def test_memkit_models_lists_every_preset_and_every_diffusers_class(capsys):
     ]
     assert len(names) > 50 and all(re.search(rf"^\s+{n}\s", text, re.M) for n in names)
     assert re.search(r"^\s+SanaTransformer2DModel\s+image\s+preset sana$", text, re.M)
-    assert re.search(r"^\s+MochiTransformer3DModel\s+video\s+refused: no input builder$", text, re.M)
+    assert re.search(r"^\s+AllegroTransformer3DModel\s+video\s+refused: no input builder$", text, re.M)
     assert text.index("\nimage:\n") < text.index("  flux ") < text.index("\nvideo:\n") < text.index("  wan ")
     assert main(["models", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
