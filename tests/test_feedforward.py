@@ -274,6 +274,9 @@ def test_every_tiny_preset_outputs_and_gradients_equal_unsplit_fp32(preset):
                 assert _close(a, b, floor=floor), (preset, mode, splits)
 
 
+# slow: every preset (HunyuanVideo 1.5's tiny model alone takes ~30 s); CI runs the core presets' cases, one per
+# feed-forward code path, and `make test-extended` the others (tests/conftest.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", [p for p in memkit.PRESETS if p not in NO_FEEDFORWARD and p not in UNSPLIT_BLOCKS])
 def test_every_tiny_preset_in_bf16_stays_within_the_unsplit_models_error(preset):
     """bf16, uneven splits (3) and 8: against an fp32 model holding the same (bf16) weights, the split's error
