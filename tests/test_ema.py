@@ -292,8 +292,20 @@ def test_cli_flux_offload_says_how_much_leaves_the_gpu(capsys):
 
     # the first step alone: the EMA's shadows exist from the build on, the same in every step (half the time of two);
     # small size: the EMA is unmemoized, and full Flux's slow path took 70 s for the same table
-    argv = ["estimate", "flux", "--size", "small", "--optimizer", "adamw", "--ema", "offload", "--device", "cuda",
-            "--steps", "1"]
+    argv = [
+        "estimate",
+        "flux",
+        "--size",
+        "small",
+        "--optimizer",
+        "adamw",
+        "--ema",
+        "offload",
+        "--device",
+        "cuda",
+        "--steps",
+        "1",
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "flux (small)" in text and "bfloat16" in text and "device cuda" in text and "ema:offload" in text
