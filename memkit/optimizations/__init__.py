@@ -14,7 +14,7 @@ remove: the model is bit-identical) then pick it up. Sharding is an entry too (`
 
 Example:
     >>> from memkit.optimizations import REGISTRY, parse
-    >>> list(REGISTRY)                      # ['quantize', 'lora', 'checkpointing', 'ff-split', 'fsdp', 'ema', 'offload']
+    >>> list(REGISTRY)      # ['quantize', 'lora', 'checkpointing', 'ff-split', 'fsdp', 'ema', 'offload']
     >>> parse("checkpointing:all")          # Checkpointing(pattern='all')
 """
 
