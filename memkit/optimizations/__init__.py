@@ -155,7 +155,7 @@ register(
         "for a dequantizing cast per layer in every forward and backward; the weights stop training: add --lora "
         "(QLoRA)",
         metavar="METHOD[:compute=DTYPE][:e5m2]",
-        choices=("nf4", "nf4-dq", "fp4", "int8", "fp8-storage"),
+        choices=("nf4", "nf4-dq", "fp4", "int8", "int8wo", "float8wo", "fp8-storage"),
         panel=("method", "compute_dtype", "fp8"),
         section="fine-tuning",
     )

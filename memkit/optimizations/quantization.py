@@ -11,7 +11,8 @@ quantizing them is the QLoRA recipe (diffusers' "Flux QLoRA" blog post, ``train_
   after its matmul), so the saving is on what lives, not on the peak of one layer.
 - ``fp8-storage``: diffusers' layerwise casting (``model.enable_layerwise_casting``): weights stored in float8 (e4m3,
   or e5m2 with ``fp8="e5m2"``: 1 byte per weight) and cast to the compute dtype around each layer's forward; the
-  cast copy is kept for the backward where the layer's input needs a gradient.
+  cast copy is kept for the backward where the layer's input needs a gradient. Convolutions are left out (their
+  backward would read the weight after the hook cast it back to fp8, which torch refuses).
 
 The modules diffusers keeps unquantized stay so: for bitsandbytes the config's skipped modules and the class's
 ``_keep_in_fp32_modules``; for layerwise casting diffusers' default patterns (``pos_embed``, ``patch_embed``,
@@ -42,12 +43,15 @@ from ..handle import Handle
 
 __all__ = ["METHODS", "Quantize", "refuse_training_without_adapters"]
 
-METHODS = ("nf4", "nf4-dq", "fp4", "int8", "fp8-storage")
+METHODS = ("nf4", "nf4-dq", "fp4", "int8", "int8wo", "float8wo", "fp8-storage")
 """The quantization methods, as :attr:`Quantize.method` and ``--quantize`` name them."""
 
 _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _MARK = "_memkit_quantized"
-_LIBRARY = {"nf4": "bitsandbytes", "nf4-dq": "bitsandbytes", "fp4": "bitsandbytes", "int8": "bitsandbytes"}
+_LIBRARY = {
+    "nf4": "bitsandbytes", "nf4-dq": "bitsandbytes", "fp4": "bitsandbytes", "int8": "bitsandbytes",
+    "int8wo": "torchao", "float8wo": "torchao",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +67,7 @@ class Quantize:
         >>> memkit.Quantize.parse("fp8-storage:e5m2")
     """
 
-    method: Literal["nf4", "nf4-dq", "fp4", "int8", "fp8-storage"] = "nf4"
+    method: Literal["nf4", "nf4-dq", "fp4", "int8", "int8wo", "float8wo", "fp8-storage"] = "nf4"
     """How the weights are stored: one of :data:`METHODS`."""
     compute_dtype: torch.dtype | None = None
     """The dtype the weights are dequantized (cast) to for compute: bitsandbytes' ``bnb_4bit_compute_dtype``,
@@ -112,7 +116,10 @@ class Quantize:
             model.__dict__.update(saved)
 
         try:
-            if self.method == "fp8-storage":
+            if self.method in ("int8wo", "float8wo"):
+                undos.append(_torchao(model, self.method, [*self.skip, *_keep(model)]))
+                owned = None
+            elif self.method == "fp8-storage":
                 undos.append(_layerwise(model, _FP8[self.fp8], compute, self.skip))
                 model.__dict__["_memkit_compute_dtype"] = compute  # memkit.LoRA makes its adapters in it
                 owned = None
@@ -176,6 +183,11 @@ class Quantize:
 
 
 _COMPUTE = (torch.float32, torch.bfloat16, torch.float16)
+# A convolution's backward reads the weight tensor it saved, which the layerwise-casting hook has cast back to fp8 by
+# then (torch: "expected scalar type Float but found Float8_e4m3fn"); a linear layer saves a transposed view, which
+# keeps the compute-dtype copy. Convolutions stay in the model's dtype so that training works (finetrainers' default
+# patterns skip the patch embeddings, the convolutions of its transformers, as well).
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -196,7 +208,11 @@ def _refuse_quantized(model: nn.Module) -> None:
         if kind in ("Linear4bit", "Linear8bitLt") or (hooks is not None and hooks.get_hook("layerwise_casting")):
             raise ValueError(f"model is quantized already: {name or 'the model'} is a {kind} or casts layerwise")
         weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and (not weight.is_floating_point() or weight.element_size() == 1):
+        if isinstance(weight, torch.Tensor) and (
+            not weight.is_floating_point()
+            or weight.element_size() == 1
+            or type(weight).__module__.startswith("torchao")
+        ):
             raise ValueError(f"model is quantized already: {name}.weight is {weight.dtype}")
 
 
@@ -231,14 +247,51 @@ def _layerwise(model: nn.Module, storage: torch.dtype, compute: torch.dtype, ski
                 # diffusers' models: the method, which adds the class's _keep_in_fp32_modules and
                 # _skip_layerwise_casting_patterns
                 model.enable_layerwise_casting(
-                    storage_dtype=storage, compute_dtype=compute, skip_modules_pattern=patterns
+                    storage_dtype=storage,
+                    compute_dtype=compute,
+                    skip_modules_pattern=patterns,
+                    skip_modules_classes=_CONV,
                 )
             else:
-                apply_layerwise_casting(model, storage, compute, skip_modules_pattern=patterns)
+                apply_layerwise_casting(
+                    model, storage, compute, skip_modules_pattern=patterns, skip_modules_classes=_CONV
+                )
         for m in modules:  # the cast layers are frozen: their gradients would be in the compute dtype
             if not before[id(m)][0] and "_diffusers_hook" in m.__dict__:
                 m.requires_grad_(False)
                 m.forward = functools.partial(_fake_to_forward, m.forward)
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def _torchao(model: nn.Module, method: str, skip: list[str]):
+    """torchao's ``quantize_`` with ``Int8WeightOnlyConfig`` or ``Float8WeightOnlyConfig`` on ``model``'s linear layers
+    but ``skip`` (diffusers' TorchAoHfQuantizer's rule: a name or its prefix); returns the undo. Its tensor subclasses
+    run on fake tensors as they are."""
+    from .._lazy import quiet_imports
+
+    with quiet_imports():
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    config = Int8WeightOnlyConfig() if method == "int8wo" else Float8WeightOnlyConfig()
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    chosen = {id(m) for n, m in modules if not any(k + "." in n or k == n for k in skip)}
+    if not chosen:
+        raise ValueError(f"{type(model).__name__} has no linear layer to quantize outside skip={skip}")
+    saved = [(m, dict(m.__dict__), dict(m._parameters)) for _, m in modules if id(m) in chosen]
+
+    def undo() -> None:
+        for m, attrs, params in saved:
+            for key in set(m.__dict__) - set(attrs):
+                del m.__dict__[key]
+            m._parameters.update(params)
+
+    try:
+        quantize_(model, config, filter_fn=lambda m, name: id(m) in chosen)
+        for m, _, _ in saved:  # torchao's weight-only tensors give no weight gradient
+            m.requires_grad_(False)
     except BaseException:
         undo()
         raise

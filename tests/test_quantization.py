@@ -1,0 +1,226 @@
+"""Quantized base weights: the bytes bitsandbytes itself keeps, estimates equal to tracked real QLoRA steps, the
+full-size storage equal to the library's layout, and the refusals.
+
+The oracle for storage is the library run independently of memkit, the way diffusers loads a quantized checkpoint
+(``replace_with_bnb_linear``, then ``Params4bit(weight).to(device)``, which quantizes); the oracle for memory is a
+real CPU step tracked by the same tracker.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import memkit
+from memkit.handle import apply_all
+from memkit.optimizations import REGISTRY, parse
+from memkit.optimizations.quantization import METHODS, Quantize
+
+bnb = pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+FOUR_BIT = ["nf4", "nf4-dq", "fp4"]
+
+
+def _unique_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def library_parameter_bytes(preset: str, method: str) -> int:
+    """The parameter bytes of ``preset`` (tiny, fp32) quantized by diffusers and bitsandbytes without memkit: the
+    model's parameters (packed codes for the 4-bit layers) and every 4-bit layer's quant state tensors."""
+    from diffusers import BitsAndBytesConfig
+    from diffusers.quantizers.bitsandbytes.utils import replace_with_bnb_linear
+
+    model = memkit.load_model(preset)
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="fp4" if method == "fp4" else "nf4",
+        bnb_4bit_use_double_quant=method == "nf4-dq",
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    old = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    keep = list(type(model)._keep_in_fp32_modules or [])
+    replace_with_bnb_linear(model, modules_to_not_convert=keep, quantization_config=config)
+    states = []
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):  # diffusers' create_quantized_param, then the bias
+            kwargs = module.weight.__dict__
+            module.weight = bnb.nn.Params4bit(old[name].weight.data, requires_grad=False, **kwargs).to("cpu")
+            module.bias = old[name].bias
+            qs = module.weight.quant_state
+            states += [qs.absmax, qs.code] + ([qs.offset, qs.state2.absmax, qs.state2.code] if qs.nested else [])
+    assert states
+    return _unique_bytes([*model.parameters(), *states])
+
+
+@pytest.mark.parametrize("method", FOUR_BIT)
+@pytest.mark.parametrize("preset", ["flux", "sd3"])
+def test_storage_equals_the_librarys_own_bytes(preset, method):
+    want = library_parameter_bytes(preset, method)
+    # real: memkit's quantized model, its parameters and what the handle owns, tracked
+    model = memkit.load_model(preset)
+    with Quantize(method=method).apply(model) as handle, memkit.track(model, owned=handle) as real:
+        pass
+    assert real.baseline_by_category["parameter"] == want
+    # fake: the estimate holds the same bytes
+    est = memkit.estimate(
+        preset, size="tiny", mode="inference", device="cpu", dtype=torch.float32,
+        optimizations=[Quantize(method=method)], progress=False,
+    )  # fmt: skip
+    assert est.baseline_by_category["parameter"] == want
+
+
+def _real_steps(preset, optimizations, n=2):
+    from oracles import tracked_steps
+
+    torch.manual_seed(0)
+    model = memkit.load_model(preset)
+    inputs = memkit.make_inputs(model)
+    with apply_all(model, optimizations) as handle:
+        runner = memkit.Step(optimizer="adamw", steps=1).bind(model, handle)
+        return tracked_steps(runner, inputs, n)
+
+
+@pytest.mark.parametrize("method", [*FOUR_BIT, "fp8-storage"])
+def test_qlora_estimate_equals_the_real_tracked_steps(method):
+    opts = [Quantize(method=method), memkit.LoRA(rank=4)]
+    first, second = _real_steps("flux", opts)
+    est = memkit.estimate(
+        "flux", size="tiny", device="cpu", dtype=torch.float32, optimizations=opts, progress=False
+    )  # fmt: skip
+    assert est.meta["first_step_peak_bytes"] == first.peak_bytes
+    assert est.meta["steady_peak_bytes"] == second.peak_bytes
+    assert est.baseline_by_category == first.baseline_by_category
+
+
+def test_the_4bit_forward_dequantizes_a_weight_sized_temporary_the_tracker_sees():
+    # bitsandbytes' gemm_4bit dequantizes the whole weight in the compute dtype before its matmul (its Python
+    # kernel, on CPU and CUDA alike): one layer's forward peaks at its output plus that weight
+    layer = nn.Sequential(nn.Linear(512, 256, bias=False))
+    Quantize(method="nf4").apply(layer)
+    x = torch.randn(4, 512)
+    with memkit.track(inputs={"x": x}) as tl, torch.no_grad():
+        layer(x)
+    assert tl.peak_bytes - tl.baseline_bytes == 512 * 256 * 4 + 4 * 256 * 4
+
+
+def _meta_flux():
+    import accelerate
+    import diffusers
+
+    spec = memkit.PRESETS["flux"]
+    with accelerate.init_empty_weights():
+        return getattr(diffusers, spec.model_class)(**spec.configs["full"])
+
+
+def layout_bytes(model: nn.Module, method: str, dtype_bytes: int = 2) -> int:
+    """bitsandbytes' 4-bit layout (blocksize 64): per quantized weight of n elements ceil(n/2) bytes of packed codes
+    and the 16-entry fp32 code; fp32 absmax per block, or with double quantization a uint8 absmax per block, an fp32
+    constant per 256 blocks, an fp32 offset, and one 256-entry fp32 dynamic map for all layers. Everything else (biases,
+    norms, embeddings kept whole) in the model's dtype."""
+    total, other = 0, sum(p.numel() for p in model.parameters()) * dtype_bytes
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        n = module.weight.numel()
+        blocks = math.ceil(n / 64)
+        total += math.ceil(n / 2) + 16 * 4
+        total += blocks + 4 * math.ceil(blocks / 256) + 4 if method == "nf4-dq" else 4 * blocks
+        other -= n * dtype_bytes
+    return total + other + (256 * 4 if method == "nf4-dq" else 0)
+
+
+@pytest.mark.parametrize("method", ["nf4", "nf4-dq"])
+def test_full_flux_storage_equals_the_librarys_layout(method):
+    tl = memkit.estimate(
+        "flux", mode="inference", device="cpu", optimizations=[Quantize(method=method)], progress=False,
+        height=256, width=256,
+    )  # fmt: skip
+    want = layout_bytes(_meta_flux(), method)
+    assert tl.baseline_by_category["parameter"] == want
+    if method == "nf4":  # 11.9B weights: 6.32 GiB (bf16: 22.2 GiB)
+        assert want == 6_788_923_904
+
+
+def test_the_cli_estimates_full_flux_qlora(capsys):
+    import json
+
+    from memkit.cli import main
+
+    assert main(["estimate", "flux", "--quantize", "nf4", "--lora", "16", "--steps", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizations"] == ["quantize:nf4", "lora:16"] and out["peak_bytes"] > 6 * 2**30
+
+
+def test_training_a_quantized_base_without_adapters_is_refused():
+    model = memkit.load_model("flux")
+    with Quantize().apply(model) as handle:
+        with pytest.raises(ValueError, match=r"fully fine-tune a quantized base.*memkit.LoRA"):
+            memkit.Step(optimizer="adamw").bind(model, handle)
+        memkit.Step(mode="inference").bind(model, handle)  # inference is what it is for
+    with pytest.raises(ValueError, match="fully fine-tune"):
+        memkit.estimate("flux", size="tiny", optimizations=[Quantize()], progress=False)
+
+
+def test_quantizing_twice_or_after_lora_is_refused_and_leaves_the_model_unchanged():
+    model = memkit.load_model("flux")
+    tree = [(n, type(m)) for n, m in model.named_modules()]
+    with Quantize().apply(model):
+        inner = [(n, type(m)) for n, m in model.named_modules()]
+        for method in ("nf4", "fp8-storage"):
+            with pytest.raises(ValueError, match="quantized already"):
+                Quantize(method=method).apply(model)
+        assert [(n, type(m)) for n, m in model.named_modules()] == inner
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree
+    with memkit.LoRA(rank=4).apply(model), pytest.raises(ValueError, match="before memkit.LoRA"):
+        Quantize().apply(model)
+
+
+def test_a_failure_inside_the_library_undoes_everything(monkeypatch):
+    model = memkit.load_model("flux")
+    tree = [(n, type(m)) for n, m in model.named_modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def boom(self, device=None, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("inside bitsandbytes")
+        return original(self, device, *args, **kwargs)
+
+    original = bnb.nn.Params4bit._quantize
+    monkeypatch.setattr(bnb.nn.Params4bit, "_quantize", boom)
+    with pytest.raises(RuntimeError, match="inside bitsandbytes"):
+        Quantize().apply(model)
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert "is_loaded_in_4bit" not in model.__dict__
+
+
+def test_bad_input_names_the_argument_and_lists_the_methods():
+    with pytest.raises(ValueError, match=r"method must be one of \['nf4', 'nf4-dq', 'fp4'"):
+        Quantize(method="int4")
+    for kwargs, word in ((dict(compute_dtype=torch.int8), "compute_dtype"), (dict(fp8="e3m4"), "fp8"),
+                         (dict(skip="norm"), "skip")):  # fmt: skip
+        with pytest.raises(ValueError, match=word):
+            Quantize(**kwargs)
+    for text in ("quantize:nf4:colour=red", "quantize:nf4:compute=float99"):
+        with pytest.raises(ValueError, match="quantize"):
+            parse(text)
+    with pytest.raises(ValueError, match="method must be one of"):
+        parse("quantize:int3")
+
+
+def test_parse_and_str_round_trip_and_registry_order():
+    for text in ("quantize:nf4", "quantize:nf4-dq:compute=bfloat16", "quantize:fp8-storage:e5m2:skip=proj_out"):
+        assert str(parse(text)) == text
+    assert set(REGISTRY["quantize"].choices) <= set(METHODS)
+    assert list(REGISTRY).index("quantize") < list(REGISTRY).index("lora")  # the base is quantized, then adapted
