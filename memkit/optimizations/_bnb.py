@@ -63,14 +63,15 @@ def quantize(model: nn.Module, method: str, compute_dtype: torch.dtype, skip: li
     fake = _fake_mode()
     with unset_fake_temporarily() if fake is not None else contextlib.nullcontext():
         replace_with_bnb_linear(model, modules_to_not_convert=list(skip), quantization_config=cfg)
-    replaced = []
+    layers = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and name in originals
+    ]
+    replaced = [(parents[n.rpartition(".")[0]], n.rpartition(".")[2], originals[n]) for n, _ in layers]
     try:
-        for name, module in model.named_modules():
-            if not isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) or name not in originals:
-                continue
+        for name, module in layers:
             old = originals[name]
-            parent_name, _, child = name.rpartition(".")
-            replaced.append((parents[parent_name], child, old))
             if isinstance(module, bnb.nn.Linear4bit):
                 _fill_4bit(module, old, fake)
             else:
@@ -124,15 +125,16 @@ def _fill_4bit(module: nn.Module, old: nn.Linear, fake: Any) -> None:
 def _fill_8bit(module: nn.Module, old: nn.Linear, fake: Any) -> None:
     import bitsandbytes as bnb
 
-    if fake is not None:
-        raise NotImplementedError(
-            "int8 (bitsandbytes' Linear8bitLt) cannot be estimated yet: its Int8Params is a Parameter subclass that "
-            "fake tensors refuse; measure a real step (memkit.compare) or estimate with nf4, int8wo or fp8-storage"
-        )
     meta = module.weight
     weight = old.weight.detach()
-    param = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=meta.has_fp16_weights)
-    module._parameters["weight"] = param.to(weight.device)
+    if fake is None:  # diffusers' create_quantized_param for LLM.int8: Int8Params quantizes on .to(device)
+        param = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=meta.has_fp16_weights)
+        param = param.to(weight.device)
+    else:  # Int8Params._quantize's own steps on the fake weight: fp16, then bitsandbytes' row-wise quantization
+        codes, scales, _ = bnb.functional.int8_vectorwise_quant(weight.contiguous().to(torch.float16))
+        param = nn.Parameter(codes, requires_grad=False)
+        param.CB, param.SCB, param.has_fp16_weights = codes, scales, meta.has_fp16_weights
+    module._parameters["weight"] = param
     module._parameters["bias"] = _bias(old)
 
 

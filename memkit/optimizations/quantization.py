@@ -218,10 +218,10 @@ def _refuse_quantized(model: nn.Module) -> None:
 
 def _layerwise(model: nn.Module, storage: torch.dtype, compute: torch.dtype, skip: tuple[str, ...]):
     """diffusers' ``enable_layerwise_casting`` on ``model`` (fake tensors: ``Module.to`` through
-    :func:`memkit._torch_compat.fake_module_to`); returns the undo (hooks off, original weights back)."""
+    :func:`memkit._torch_compat.fake_module_to_in_place`); returns the undo (hooks off, original weights back)."""
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN, apply_layerwise_casting
 
-    from .._torch_compat import fake_module_to
+    from .._torch_compat import fake_module_to_in_place
 
     modules = list(model.modules())
     before = {id(m): ("_diffusers_hook" in m.__dict__, "forward" in m.__dict__) for m in modules}
@@ -242,7 +242,7 @@ def _layerwise(model: nn.Module, storage: torch.dtype, compute: torch.dtype, ski
             p.requires_grad_(flag)
 
     try:
-        with fake_module_to():
+        with fake_module_to_in_place():
             if hasattr(model, "enable_layerwise_casting"):
                 # diffusers' models: the method, which adds the class's _keep_in_fp32_modules and
                 # _skip_layerwise_casting_patterns
@@ -299,14 +299,14 @@ def _torchao(model: nn.Module, method: str, skip: list[str]):
 
 
 def _fake_to_forward(forward, *args, **kwargs):
-    """A cast layer's forward: its hook's ``Module.to`` on fake weights through ``fake_module_to`` (torch's swap
-    refuses a fake parameter); on real weights torch's own."""
+    """A cast layer's forward: its hook's ``Module.to`` on fake weights through ``fake_module_to_in_place`` (torch's
+    swap refuses a fake parameter; the parameter objects stay, as on real weights); on real weights torch's own."""
     from .._optimizer_adapters import _fake_mode
-    from .._torch_compat import fake_module_to
+    from .._torch_compat import fake_module_to_in_place
 
     if _fake_mode() is None:
         return forward(*args, **kwargs)
-    with fake_module_to():
+    with fake_module_to_in_place():
         return forward(*args, **kwargs)
 
 
