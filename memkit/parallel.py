@@ -289,9 +289,9 @@ def refuse_group_offload(optimizations) -> None:
     quantized = [o for o in optimizations if type(o).__name__ == "Quantize"]
     if quantized:
         raise ValueError(
-            f"optimizations: {quantized[0]} cannot go with memkit.FSDP: FSDP2 shards each parameter as a plain DTensor, "
-            "which drops bitsandbytes' quant state (and torchao's and layerwise casting's own tensors and hooks); "
-            "estimate the quantized base on one GPU"
+            f"optimizations: {quantized[0]} cannot go with memkit.FSDP: FSDP2 shards each parameter as a plain "
+            "DTensor, which drops bitsandbytes' quant state (and torchao's and layerwise casting's own tensors and "
+            "hooks); estimate the quantized base on one GPU"
         )
 
 

@@ -78,6 +78,73 @@ def test_storage_equals_the_librarys_own_bytes(preset, method):
     assert est.baseline_by_category["parameter"] == want
 
 
+def torchao_parameter_bytes(preset: str, method: str) -> int:
+    """The parameter bytes of ``preset`` (tiny, fp32) after torchao's own ``quantize_`` on its linear layers: the
+    inner tensors of each weight-only tensor (int8 or float8 data, scales, zero points) and the other parameters."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    model = memkit.load_model(preset)
+    quantize_(model, Int8WeightOnlyConfig() if method == "int8wo" else Float8WeightOnlyConfig())
+    tensors = []
+    for p in model.parameters():
+        if is_traceable_wrapper_subclass(p):
+            tensors += [getattr(p, name) for name in p.__tensor_flatten__()[0]]
+        else:
+            tensors.append(p)
+    return _unique_bytes(tensors)
+
+
+@pytest.mark.parametrize("method", ["int8wo", "float8wo"])
+def test_torchao_storage_equals_the_librarys_own_bytes(method):
+    want = torchao_parameter_bytes("flux", method)
+    est = memkit.estimate(
+        "flux", size="tiny", mode="inference", device="cpu", dtype=torch.float32,
+        optimizations=[Quantize(method=method)], progress=False,
+    )  # fmt: skip
+    assert est.baseline_by_category["parameter"] == want
+
+
+def test_fp8_storage_is_one_byte_per_cast_weight():
+    import re
+
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    model = memkit.load_model("flux")
+    cast = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    patterns = (*DEFAULT_SKIP_MODULES_PATTERN, *(type(model)._skip_layerwise_casting_patterns or ()))
+    skipped = [
+        m for n, m in model.named_modules() if isinstance(m, nn.Linear) and any(re.search(p, n) for p in patterns)
+    ]
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    with Quantize(method="fp8-storage").apply(model):
+        after = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert {m.weight.dtype for m in cast if all(m is not s for s in skipped)} == {torch.float8_e4m3fn}
+        assert skipped and {m.weight.dtype for m in skipped} == {torch.float32}  # diffusers' patterns (norm...)
+    saved = sum(m.weight.numel() * 3 + (m.bias.numel() * 3 if m.bias is not None else 0) for m in cast
+                if all(m is not s for s in skipped))  # fmt: skip
+    assert before - after == saved
+
+
+def test_fake_module_to_in_place_keeps_the_parameter_objects():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memkit._torch_compat import fake_module_to_in_place
+
+    with FakeTensorMode(), fake_module_to_in_place():
+        layer = nn.Linear(4, 2)
+        weight = layer.weight
+        assert layer.to(torch.float8_e4m3fn).weight is weight and weight.dtype == torch.float8_e4m3fn
+    assert nn.Linear(4, 2).to(torch.float16).weight.dtype == torch.float16  # real modules: torch's own
+
+
+def test_fsdp_refuses_a_quantized_base():
+    with pytest.raises(ValueError, match="cannot go with memkit.FSDP"):
+        memkit.estimate(
+            "flux", size="tiny", optimizations=[Quantize(), memkit.LoRA()], parallel=memkit.FSDP(world_size=2)
+        )
+
+
 def _real_steps(preset, optimizations, n=2):
     from oracles import tracked_steps
 
@@ -89,7 +156,7 @@ def _real_steps(preset, optimizations, n=2):
         return tracked_steps(runner, inputs, n)
 
 
-@pytest.mark.parametrize("method", [*FOUR_BIT, "fp8-storage"])
+@pytest.mark.parametrize("method", METHODS)
 def test_qlora_estimate_equals_the_real_tracked_steps(method):
     opts = [Quantize(method=method), memkit.LoRA(rank=4)]
     first, second = _real_steps("flux", opts)

@@ -9,6 +9,13 @@ quantizing them is the QLoRA recipe (diffusers' "Flux QLoRA" blog post, ``train_
   quantization) stores the absmax in 8 bits with one fp32 constant per 256 blocks (~0.5079 bytes per weight). Each
   forward and backward dequantizes the whole weight in the compute dtype (a weight-sized temporary per layer, freed
   after its matmul), so the saving is on what lives, not on the peak of one layer.
+- ``int8``: bitsandbytes' LLM.int8 ``Linear8bitLt``, frozen (``BitsAndBytesConfig(load_in_8bit=True)``): int8 weights
+  plus an fp32 scale per output row. Its training forward on the CPU dequantizes the weight and calls ``linear``
+  (``MatMul8bitFp``); on CUDA bitsandbytes takes its int8 matmul (``MatMul8bitLt``), which an estimate (fake CPU
+  tensors) does not follow: an estimate for ``"cuda"`` holds the CPU path's temporaries.
+- ``int8wo``, ``float8wo``: torchao's ``quantize_`` with ``Int8WeightOnlyConfig`` / ``Float8WeightOnlyConfig``
+  (diffusers' ``TorchAoConfig``): int8 or float8 data with a scale per row (int8: and a zero point), dequantized per
+  matmul.
 - ``fp8-storage``: diffusers' layerwise casting (``model.enable_layerwise_casting``): weights stored in float8 (e4m3,
   or e5m2 with ``fp8="e5m2"``: 1 byte per weight) and cast to the compute dtype around each layer's forward; the
   cast copy is kept for the backward where the layer's input needs a gradient. Convolutions are left out (their
@@ -24,8 +31,8 @@ The handle keeps the original layers (and their weights) so that ``remove()`` re
 are not the model's and are not counted (a training script frees them).
 
 Example:
-    >>> with memkit.Quantize(method="nf4").apply(model), memkit.LoRA(rank=16).apply(model) as lora:
-    ...     memkit.Step(optimizer="adamw").bind(model, lora).run(inputs)        # QLoRA
+    >>> with memkit.handle.apply_all(model, [memkit.Quantize(method="nf4"), memkit.LoRA(rank=16)]) as handle:
+    ...     memkit.Step(optimizer="adamw").bind(model, handle).run(inputs)      # QLoRA
     >>> memkit.estimate("flux", optimizations=[memkit.Quantize(), memkit.LoRA()]).peak_bytes
 """
 
@@ -56,8 +63,8 @@ _LIBRARY = {
 
 @dataclass(frozen=True, kw_only=True)
 class Quantize:
-    """Store the frozen base's linear weights quantized (bitsandbytes 4-bit or LLM.int8, or diffusers' fp8 layerwise
-    casting); train adapters on top with :class:`memkit.LoRA` (QLoRA).
+    """Store the frozen base's linear weights quantized (bitsandbytes 4-bit or LLM.int8, torchao weight-only int8 or
+    float8, or diffusers' fp8 layerwise casting); train adapters on top with :class:`memkit.LoRA` (QLoRA).
 
     Saves most of the weights' memory (nf4: 0.5625 bytes per weight instead of 2 in bf16; fp8: 1) for a dequantizing
     cast per layer in every forward and backward (a weight-sized temporary while that layer runs).
