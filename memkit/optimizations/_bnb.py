@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._optimizer_adapters import _fake_mode
+from .._optimizer_adapters import _fake_mode, _float32_default
 
 
 def config(method: str, compute_dtype: torch.dtype):
@@ -70,20 +70,29 @@ def quantize(model: nn.Module, method: str, compute_dtype: torch.dtype, skip: li
     ]
     replaced = [(parents[n.rpartition(".")[0]], n.rpartition(".")[2], originals[n]) for n, _ in layers]
     try:
-        for name, module in layers:
-            old = originals[name]
-            if isinstance(module, bnb.nn.Linear4bit):
-                _fill_4bit(module, old, fake)
-            else:
-                _fill_8bit(module, old, fake)
-            # the repacking for bitsandbytes' CPU inference kernel (eval(), no grad, AVX-512 BF16) is for good: a later
-            # training forward would silently give no input gradient. Off: CUDA never repacks either.
-            module.support_avx512bf16_for_cpu = False
-            module.forward = functools.partial(_seen_forward, module)
+        # bitsandbytes builds its 4-bit code with torch.tensor(list): float32 in a training script, not the default
+        # dtype an estimate builds its model under (a bf16 code would be 32 bytes instead of 64 per layer)
+        with _float32_default(True):
+            _fill(layers, originals, fake)
     except BaseException:
         unquantize(replaced)
         raise
     return replaced
+
+
+def _fill(layers: list, originals: dict, fake: Any) -> None:
+    import bitsandbytes as bnb
+
+    for name, module in layers:
+        old = originals[name]
+        if isinstance(module, bnb.nn.Linear4bit):
+            _fill_4bit(module, old, fake)
+        else:
+            _fill_8bit(module, old, fake)
+        # the repacking for bitsandbytes' CPU inference kernel (eval(), no grad, AVX-512 BF16) is for good: a later
+        # training forward would silently give no input gradient. Off: CUDA never repacks either.
+        module.support_avx512bf16_for_cpu = False
+        module.forward = functools.partial(_seen_forward, module)
 
 
 def unquantize(replaced: list[tuple]) -> None:
