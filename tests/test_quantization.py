@@ -33,18 +33,18 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def library_parameter_bytes(preset: str, method: str) -> int:
-    """The parameter bytes of ``preset`` (tiny, fp32) quantized by diffusers and bitsandbytes without memkit: the
-    model's parameters (packed codes for the 4-bit layers) and every 4-bit layer's quant state tensors."""
+def library_parameter_bytes(preset: str, method: str, dtype: torch.dtype = torch.float32) -> int:
+    """The parameter bytes of ``preset`` (tiny, in ``dtype``) quantized by diffusers and bitsandbytes without memkit:
+    the model's parameters (packed codes for the 4-bit layers) and every 4-bit layer's quant state tensors."""
     from diffusers import BitsAndBytesConfig
     from diffusers.quantizers.bitsandbytes.utils import replace_with_bnb_linear
 
-    model = memkit.load_model(preset)
+    model = memkit.load_model(preset, dtype=dtype)
     config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="fp4" if method == "fp4" else "nf4",
         bnb_4bit_use_double_quant=method == "nf4-dq",
-        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_compute_dtype=dtype,
     )
     old = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     keep = list(type(model)._keep_in_fp32_modules or [])
@@ -143,6 +143,16 @@ def test_fsdp_refuses_a_quantized_base():
         memkit.estimate(
             "flux", size="tiny", optimizations=[Quantize(), memkit.LoRA()], parallel=memkit.FSDP(world_size=2)
         )
+
+
+def test_a_bf16_estimate_holds_the_bytes_of_a_bf16_model_quantized_in_a_script():
+    # an estimate builds its model under a bf16 default dtype; bitsandbytes' codes are float32 in a script
+    want = library_parameter_bytes("flux", "nf4-dq", torch.bfloat16)
+    est = memkit.estimate(
+        "flux", size="tiny", mode="inference", device="cpu", dtype=torch.bfloat16,
+        optimizations=[Quantize(method="nf4-dq")], progress=False,
+    )  # fmt: skip
+    assert est.baseline_by_category["parameter"] == want
 
 
 def _real_steps(preset, optimizations, n=2):

@@ -101,7 +101,13 @@ class Quantize:
         object.__setattr__(self, "skip", tuple(self.skip))
 
     def apply(self, model: nn.Module) -> Handle:
-        """Quantize ``model``'s linear weights in place; the handle puts the original layers back."""
+        """Quantize ``model``'s linear weights in place; the handle owns the quant states' tensors (category
+        ``parameter``) and puts the original layers back.
+
+        Example:
+            >>> with memkit.Quantize(method="nf4-dq").apply(model) as handle:
+            ...     memkit.track(model, owned=handle)                # packed codes + absmax + constants
+        """
         _refuse_quantized(model)
         if getattr(model, "peft_config", None):
             raise ValueError(
