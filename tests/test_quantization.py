@@ -236,6 +236,8 @@ def test_the_cli_estimates_full_flux_qlora(capsys):
     assert main(["estimate", "flux", "--quantize", "nf4", "--lora", "16", "--steps", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["optimizations"] == ["quantize:nf4", "lora:16"] and out["peak_bytes"] > 6 * 2**30
+    # the 4-bit weights counted as weights (not as their packed bytes), beside the adapters
+    assert out["parameters"] == sum(p.numel() for p in _meta_flux().parameters()) + out["trainable_parameters"]
 
 
 def test_training_a_quantized_base_without_adapters_is_refused():
