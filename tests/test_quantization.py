@@ -328,3 +328,30 @@ def test_the_tracker_sees_what_the_allocator_sees_in_a_4bit_layer(method, traini
     x.grad = None
     tl, (peak, end) = tracked_and_profiled(step, inputs={"x": x})
     assert_equals_profiler(tl, peak, end)
+
+
+def test_compare_measures_qlora_and_says_its_outputs_differ_by_the_quantization():
+    cmp = memkit.compare(
+        "flux", {"qlora": [Quantize(), memkit.LoRA(rank=4)]}, step=memkit.Step(optimizer="adamw"), repeats=0,
+        progress=False,
+    )  # fmt: skip
+    base, qlora = cmp.results["baseline"], cmp.results["qlora"]
+    assert qlora.timeline.peak_bytes < base.timeline.peak_bytes / 4
+    assert not qlora.passed and qlora.max_abs_d_output > 0  # 4-bit weights: not the baseline's outputs
+    assert qlora.max_abs_d_param == 0  # the weights kept whole (norms, biases) end the step as they began
+
+
+def test_qlora_apply_step_remove_restores_the_model_bit_for_bit():
+    model = memkit.load_model("flux")
+    inputs = memkit.make_inputs(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        before = memkit.step.model_output(model(**inputs)).clone()
+    for method in METHODS:
+        with apply_all(model, [Quantize(method=method), memkit.LoRA(rank=4)]) as handle:
+            memkit.Step(optimizer="adamw").bind(model, handle).run(inputs)
+        assert model.state_dict().keys() == state.keys()
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()), method
+        assert not any(k in model.__dict__ for k in ("is_loaded_in_4bit", "is_loaded_in_8bit", "_memkit_quantized"))
+        with torch.no_grad():
+            assert torch.equal(memkit.step.model_output(model(**inputs)), before), method
