@@ -355,3 +355,19 @@ def test_qlora_apply_step_remove_restores_the_model_bit_for_bit():
         assert not any(k in model.__dict__ for k in ("is_loaded_in_4bit", "is_loaded_in_8bit", "_memkit_quantized"))
         with torch.no_grad():
             assert torch.equal(memkit.step.model_output(model(**inputs)), before), method
+
+
+@pytest.mark.parametrize("method", ["fp8-storage", "int8wo"])
+def test_full_flux_memoized_estimate_equals_every_block(method):
+    # layerwise casting and torchao keep their state in the parameters themselves: spliced from a probe of blocks
+    # (bitsandbytes' quant states are tensors beside the parameters: its estimates run every block)
+    opts = [Quantize(method=method), memkit.LoRA(rank=16)]
+    kwargs = dict(optimizations=opts, progress=False, height=256, width=256)
+    memo, every = memkit.estimate("flux", **kwargs), memkit.estimate("flux", memoize=False, **kwargs)
+    assert memo.meta["memoized"] and not every.meta["memoized"]
+    for key in ("first_step_peak_bytes", "steady_peak_bytes", "parameters", "trainable_parameters"):
+        assert memo.meta[key] == every.meta[key], key
+    assert memo.baseline_by_category == every.baseline_by_category
+    assert not memkit.estimate("flux", size="tiny", optimizations=[Quantize(), memkit.LoRA()], progress=False).meta[
+        "memoized"
+    ]
