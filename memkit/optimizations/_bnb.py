@@ -14,7 +14,10 @@ Two things bitsandbytes cannot do where memkit measures, and what stands in for 
   fake ``Parameter`` carrying the attributes ``Params4bit`` has (``quant_state``, ``blocksize``, ``quant_type``...),
   which is all ``Linear4bit.forward``, ``matmul_4bit`` and peft's ``Linear4bit`` read. The 1 KiB dynamic map that
   double quantization takes from bitsandbytes' module-level cache (``name2qmap["dynamic"]``) is built for real and
-  entered into fake mode for the call, so the cache never holds a fake tensor.
+  entered into fake mode for the call, so the cache never holds a fake tensor. LLM.int8's ``Int8Params`` likewise:
+  ``Int8Params._quantize``'s own steps (fp16, ``int8_vectorwise_quant``) on the fake weight, the codes a fake
+  ``Parameter`` with its ``CB``, ``SCB`` and ``has_fp16_weights``. Both run under a float32 default dtype, as in a
+  training script (bitsandbytes builds its 4-bit code with ``torch.tensor(list)``).
 - **The tracker.** ``bitsandbytes::gemm_4bit`` (the 4-bit layers' forward, CPU and CUDA alike) is a Python kernel
   that dequantizes the whole weight in the compute dtype and calls ``linear``: a weight-sized temporary per layer that
   a dispatch mode does not see (it sees the op's output). While a tracker or fake mode is active, each 4-bit layer's
