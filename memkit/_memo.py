@@ -96,9 +96,12 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -
     from .optimizations.checkpointing import Checkpointing
     from .optimizations.feedforward import FFSplit
     from .optimizations.lora import LoRA
+    from .optimizations.quantization import Quantize
 
     for o in optimizations:
         if isinstance(o, (FFSplit, LoRA)):  # the same adapters in every block of a list
+            continue
+        if isinstance(o, Quantize) and o.method in ("fp8-storage", "int8wo", "float8wo"):  # the parameters themselves
             continue
         if isinstance(o, Checkpointing):
             if o.budget_bytes is not None or not isinstance(o.pattern, str) or o.pattern not in ("all", "none"):

@@ -289,6 +289,41 @@ def known_values(inputs: Any) -> Iterator[None]:
         fake_tensor.CONSTANT_NUMEL_LIMIT = original
 
 
+@contextlib.contextmanager
+def fake_module_to_in_place() -> Iterator[None]:
+    """Like :func:`fake_module_to`, but each fake parameter or buffer that must change dtype keeps its object and gets
+    new data (``t.data = t.to(dtype)``, torch's own ``set_data`` path for real tensors): for a library that casts a
+    module back and forth while others hold its parameters (diffusers' layerwise casting, under peft's adapters), so
+    the old storage is freed as it is on real tensors.
+
+    Example:
+        >>> with FakeTensorMode(), fake_module_to_in_place():
+        ...     layer = torch.nn.Linear(4, 2); w = layer.weight
+        ...     layer.to(torch.float8_e4m3fn).weight is w                      # True
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        tensors = [*self.parameters(), *self.buffers()]
+        if not tensors or not any(isinstance(t, FakeTensor) for t in tensors):
+            return original(self, *args, **kwargs)
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        with torch.no_grad():
+            for t in tensors:
+                if dtype is not None and t.dtype != dtype and (t.is_floating_point() or t.is_complex()):
+                    t.data = t.to(dtype)
+        return self
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
 # --- CPU feature probes and the profiler ---------------------------------------------------------------------------
 
 

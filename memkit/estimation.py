@@ -394,7 +394,7 @@ def _measure(
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)
             # counted while the optimizations are applied (LoRA's adapters exist, the base is frozen)
-            params = sum(p.numel() for p in net.parameters())
+            params = sum(_weights(p) for p in net.parameters())
             trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
             if lists:
                 params = _memo.parameters(lists, params)
@@ -440,6 +440,14 @@ def _measure(
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
     return timeline, starts, (params, trainable), host_bytes, sum(plan.disk)
+
+
+def _weights(p: torch.Tensor) -> int:
+    """The weights a parameter stands for: a 4-bit one (bitsandbytes' packed codes, two per byte) its quant state's
+    shape, any other its own element count."""
+    state = getattr(p, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return int(np.prod(shape)) if shape is not None else p.numel()
 
 
 def _active_tracker():

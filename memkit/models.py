@@ -348,7 +348,8 @@ def make_inputs(model: torch.nn.Module, *, batch_size: int = 1, seed: int = 0, *
     for key, value in {"batch_size": batch_size, **sizes}.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{key} must be a positive int, got {value!r}")
-    param = next(p for p in model.parameters() if p.is_floating_point())
+    # the compute dtype: a weight stored in fp8 (Quantize("fp8-storage")) is cast to the model's own around each layer
+    param = next(p for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
     make = _Maker(param.dtype, param.device, seed)
     inputs = PRESETS[name].inputs(model.config, batch_size, {**defaults, **sizes}, make)
     return inputs | {"return_dict": False}

@@ -280,11 +280,19 @@ _GROUP_OFFLOAD = (
 
 
 def refuse_group_offload(optimizations) -> None:
-    """Raise the error that says why ``memkit.Offload`` among ``optimizations`` cannot go with ``memkit.FSDP``."""
+    """Raise the error that says why ``memkit.Offload`` or ``memkit.Quantize`` among ``optimizations`` cannot go with
+    ``memkit.FSDP``."""
     from .optimizations.offload import Offload
 
     if any(isinstance(o, Offload) for o in optimizations):
         raise ValueError(f"optimizations: {_GROUP_OFFLOAD}")
+    quantized = [o for o in optimizations if type(o).__name__ == "Quantize"]
+    if quantized:
+        raise ValueError(
+            f"optimizations: {quantized[0]} cannot go with memkit.FSDP: FSDP2 shards each parameter as a plain "
+            "DTensor, which drops bitsandbytes' quant state (and torchao's and layerwise casting's own tensors and "
+            "hooks); estimate the quantized base on one GPU"
+        )
 
 
 def _offload_to_host(model: torch.nn.Module) -> list:

@@ -374,6 +374,10 @@ class Step:
         if self.mixed_precision is not None:
             check_master_weights(model, self.mixed_precision)
         optimizer = None
+        if self.training and self.optimizer is not None and "_memkit_quantized" in model.__dict__:
+            from .optimizations.quantization import refuse_training_without_adapters
+
+            refuse_training_without_adapters(model)
         if self.training:
             optimizer = make_optimizer(
                 self.optimizer, model.parameters(), foreach=self.foreach, on=self.optimizer_on,

@@ -97,7 +97,7 @@ def test_fsdp_is_registered_as_an_estimate_only_entry():
 
 
 def test_parse_and_register_refuse_bad_input_by_name():
-    with pytest.raises(ValueError, match="unknown optimization 'nosuch'; registered: lora, checkpointing"):
+    with pytest.raises(ValueError, match="unknown optimization 'nosuch'; registered: quantize, lora, checkpointing"):
         parse("nosuch:0.999")
     with pytest.raises(ValueError, match="pattern must be one of"):
         parse("checkpointing:sometimes")

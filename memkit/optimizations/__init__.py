@@ -14,7 +14,7 @@ remove: the model is bit-identical) then pick it up. Sharding is an entry too (`
 
 Example:
     >>> from memkit.optimizations import REGISTRY, parse
-    >>> list(REGISTRY)                      # ['lora', 'checkpointing', 'ff-split', 'fsdp', 'ema', 'offload']
+    >>> list(REGISTRY)      # ['quantize', 'lora', 'checkpointing', 'ff-split', 'fsdp', 'ema', 'offload']
     >>> parse("checkpointing:all")          # Checkpointing(pattern='all')
 """
 
@@ -28,7 +28,7 @@ from typing import Literal
 from ..handle import Optimization
 from .checkpointing import PROVIDERS, Checkpointing
 
-__all__ = ["REGISTRY", "Checkpointing", "LoRA", "Spec", "parse", "register", "spec_of"]
+__all__ = ["REGISTRY", "Checkpointing", "LoRA", "Quantize", "Spec", "parse", "register", "spec_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +143,23 @@ def parse(text: str) -> Optimization:
         raise ValueError(f"unknown optimization {name!r}; registered: {', '.join(_REGISTRY)}")
     return spec.parse(value) if value else spec.default
 
+
+from .quantization import Quantize  # noqa: E402
+
+register(
+    Spec(
+        name="quantize",
+        config=Quantize,
+        summary="store the frozen base's linear weights quantized with the library that does it (bitsandbytes "
+        "nf4/fp4 4-bit: ~0.56 bytes per weight, nf4-dq ~0.51; LLM.int8; diffusers' fp8 layerwise casting: 1 byte) "
+        "for a dequantizing cast per layer in every forward and backward; the weights stop training: add --lora "
+        "(QLoRA)",
+        metavar="METHOD[:compute=DTYPE][:e5m2]",
+        choices=("nf4", "nf4-dq", "fp4", "int8", "int8wo", "float8wo", "fp8-storage"),
+        panel=("method", "compute_dtype", "fp8"),
+        section="fine-tuning",
+    )
+)
 
 from .lora import LoRA  # noqa: E402
 

@@ -229,10 +229,13 @@ class LoRA:
                     model.add_adapter(config, adapter_name=ADAPTER)
                 else:
                     peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-                if self.dtype is not None:  # the scripts' own upcast (a tensor's .to works on fake tensors too)
+                # the scripts' own upcast (a tensor's .to works on fake tensors too); beside weights stored in fp8
+                # (Quantize("fp8-storage")) peft would make the adapters fp8 too: they take the compute dtype
+                dtype = self.dtype or model.__dict__.get("_memkit_compute_dtype")
+                if dtype is not None:
                     from diffusers.training_utils import cast_training_params
 
-                    cast_training_params(model, dtype=self.dtype)
+                    cast_training_params(model, dtype=dtype)
         except BaseException:
             undo()
             raise
