@@ -216,6 +216,7 @@ def layout_bytes(model: nn.Module, method: str, dtype_bytes: int = 2) -> int:
     return total + other
 
 
+@pytest.mark.slow  # full Flux, every block (bitsandbytes is not memoized): ~30 s each
 @pytest.mark.parametrize("method", ["nf4", "nf4-dq"])
 def test_full_flux_storage_equals_the_librarys_layout(method):
     tl = memkit.estimate(
@@ -228,6 +229,7 @@ def test_full_flux_storage_equals_the_librarys_layout(method):
     assert want == {"nf4": 6_699_009_664, "nf4-dq": 6_144_698_752}[method]
 
 
+@pytest.mark.extended  # full Flux QLoRA through the CLI, every block: ~40 s; the flag's parsing is tested fast
 def test_the_cli_estimates_full_flux_qlora(capsys):
     import json
 
@@ -357,7 +359,8 @@ def test_qlora_apply_step_remove_restores_the_model_bit_for_bit():
             assert torch.equal(memkit.step.model_output(model(**inputs)), before), method
 
 
-@pytest.mark.parametrize("method", ["fp8-storage", "int8wo"])
+@pytest.mark.slow  # full Flux twice (spliced and every block); torchao's case in `make test-extended`
+@pytest.mark.parametrize("method", ["fp8-storage", pytest.param("int8wo", marks=pytest.mark.extended)])
 def test_full_flux_memoized_estimate_equals_every_block(method):
     # layerwise casting and torchao keep their state in the parameters themselves: spliced from a probe of blocks
     # (bitsandbytes' quant states are tensors beside the parameters: its estimates run every block)
