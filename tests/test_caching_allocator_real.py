@@ -1,16 +1,23 @@
 """The caching-allocator model replaying real ``torch.cuda.memory._dump_snapshot()`` traces: the segments it makes
 must be the ones the GPU's allocator made, in the same order and sizes.
 
-The snapshots are other people's files and are not kept here: set ``MEMKIT_ALLOCATOR_SNAPSHOTS`` to pickle paths
-(separated by ``os.pathsep``). Checked on 2026-11-26 with five public ones (single stream, no expandable
-segments), all equal: ``JasperSolt/EoR_NN`` ``snapshot.pickle`` @ 10cd0b49 (7 segments made in the trace),
-``kkaitlyn111/cs336-a2-systems`` ``cs336_systems/memory_logs/memory_ctx128_forward.pickle`` (178) and
-``memory_files/memory_ctx128_fullstep.pickle`` (783), ``memory_files/memory_ctx256_fullstep_.pickle`` (791)
-@ c1272e18, ``cranberrii/ftcourse`` ``memory_snapshot.pickle`` @ a8cedf28 (152).
+A corpus of two public snapshots ships with the tests (``tests/data/allocator_traces.json.gz``, 30 KB): each one's
+segments and device-0 trace reduced to what the replay reads (``alloc``, ``free_completed`` and ``segment_alloc``
+entries: action, address, size, stream; no frames), written by memkit's safe snapshot reader:
+``JasperSolt/EoR_NN`` ``snapshot.pickle`` @ 10cd0b49 (7 segments made in the trace) and ``cranberrii/ftcourse``
+``memory_snapshot.pickle`` @ a8cedf28 (152, a LoRA fine-tune of CodeQwen). More can be replayed by setting
+``MEMKIT_ALLOCATOR_SNAPSHOTS`` to pickle paths (separated by ``os.pathsep``). Checked on 2026-11-26 with three more,
+all equal: ``kkaitlyn111/cs336-a2-systems`` ``cs336_systems/memory_logs/memory_ctx128_forward.pickle`` (178) and
+``memory_files/memory_ctx128_fullstep.pickle`` (783), ``memory_files/memory_ctx256_fullstep_.pickle`` (791) @
+c1272e18. None of them uses several streams or expandable segments: those rules are checked by hand-derived cases
+(tests/test_caching_allocator.py).
 """
 
+import gzip
+import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -62,12 +69,23 @@ def replay(snapshot: dict, device: int = 0) -> tuple[CachingAllocator, list[int]
     return a, real, model
 
 
-@pytest.mark.skipif(not PATHS, reason="set MEMKIT_ALLOCATOR_SNAPSHOTS to snapshot pickles to replay")
-@pytest.mark.parametrize("path", PATHS)
-def test_model_makes_the_segments_the_gpu_made(path):
-    snapshot = load_snapshot(path)
+CORPUS = json.loads(gzip.decompress((Path(__file__).parent / "data" / "allocator_traces.json.gz").read_bytes()))
+
+
+def check(snapshot: dict) -> None:
     a, real, model = replay(snapshot)
-    assert model == real
+    assert real and model == real
     assert Counter((s.pool, s.size) for s in a.segments) == Counter(
         (s["segment_type"], s["total_size"]) for s in snapshot["segments"] if s["device"] == 0
     )
+
+
+@pytest.mark.parametrize("snapshot", CORPUS, ids=[s["source"].split()[0] for s in CORPUS])
+def test_model_makes_the_segments_the_gpu_made(snapshot):
+    check(snapshot)
+
+
+@pytest.mark.skipif(not PATHS, reason="set MEMKIT_ALLOCATOR_SNAPSHOTS to snapshot pickles to replay")
+@pytest.mark.parametrize("path", PATHS)
+def test_model_makes_the_segments_of_snapshots_given_by_path(path):
+    check(load_snapshot(path))
