@@ -73,6 +73,7 @@ _SUBMODULES = (
     "estimation",
     "parallel",
     "widgets",
+    "gpus",
 )
 
 __all__ = [
