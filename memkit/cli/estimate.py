@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
                 (f"  steady step ({args.unit})", f"{meta['steady_peak_reserved_bytes'] / div:{num}}"),
             ]
         rows.append(
-            (f"  fragmentation ({args.unit}, reserved - allocated there)", f"{meta['fragmentation_bytes'] / div:{num}}")
+            (f"  fragmentation ({args.unit}, at the reserved peak)", f"{meta['fragmentation_bytes'] / div:{num}}")
         )
         rows.append(("  alloc conf", meta["alloc_conf"] or "torch's defaults"))
     if meta["measured"] == "first and steady":

@@ -11,6 +11,7 @@ allocator).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -70,6 +71,17 @@ def replay_reserved(
         >>> tl = memkit.estimate("flux", size="tiny")
         >>> replay_reserved(tl, alloc_conf="expandable_segments:True").peak_bytes
     """
+    # the replay makes ~10^5 small objects: the cyclic collector would scan an estimate's whole heap for them
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _replay(timeline, baseline_blocks, alloc_conf)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _replay(timeline: Timeline, baseline_blocks: Iterable[tuple[int, int, int]], alloc_conf: str) -> ReservedReplay:
     devices = timeline.devices
     cuda = [_is_cuda(d) for d in devices]
     allocators: dict[int, CachingAllocator] = {}
