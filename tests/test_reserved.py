@@ -144,3 +144,23 @@ def test_cli_alloc_conf_and_json(capsys, tiny_cuda):
     assert "peak reserved" in table and "fragmentation" in table and "expandable_segments:True" in table
     assert main(["estimate", PRESET, "--size", "tiny", "--alloc-conf", "nope:1"]) != 0
     assert "'nope'" in capsys.readouterr().err
+
+
+def test_timeline_figure_draws_reserved(tiny_cuda):
+    from memkit.plots import timeline_figure
+
+    names = [t.name for t in timeline_figure(tiny_cuda).data]
+    assert "reserved" in names
+    cpu = memkit.estimate(PRESET, size="tiny", device="cpu", progress=False)
+    assert "reserved" not in [t.name for t in timeline_figure(cpu).data]
+
+
+@pytest.mark.slow  # full Flux, every block: ~30 s
+def test_spliced_baseline_gives_the_reserved_of_every_block():
+    # the memoized timeline's baseline blocks are the probe's, the middle block's repeated (_spliced_baseline)
+    spliced = memkit.estimate("flux", progress=False)
+    every = memkit.estimate("flux", progress=False, memoize=False)
+    assert spliced.meta["memoized"] and not every.meta["memoized"]
+    assert spliced.baseline_reserved_bytes == every.baseline_reserved_bytes
+    keys = ("first_step_peak_reserved_bytes", "steady_peak_reserved_bytes", "fragmentation_bytes")
+    assert [spliced.meta[k] for k in keys] == [every.meta[k] for k in keys]
