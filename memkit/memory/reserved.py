@@ -82,55 +82,54 @@ def replay_reserved(
 
 
 def _replay(timeline: Timeline, baseline_blocks: Iterable[tuple[int, int, int]], alloc_conf: str) -> ReservedReplay:
-    devices = timeline.devices
-    cuda = [_is_cuda(d) for d in devices]
-    allocators: dict[int, CachingAllocator] = {}
-    conf_check = CachingAllocator(alloc_conf)  # validates alloc_conf even when there is nothing to replay
+    CachingAllocator(alloc_conf)  # validates alloc_conf even when there is nothing to replay
+    allocators = [CachingAllocator(alloc_conf) if _is_cuda(d) else None for d in timeline.devices]
+    live: dict[int, tuple] = {}  # storage key -> (allocator, handle)
+    stacked: dict[int, list] = {}  # keys allocated again while live (key -1: kernel buffers freed at once)
+    base_by_size: dict[tuple[int, int], list[int]] = {}
 
-    def allocator(device: int) -> CachingAllocator:
-        a = allocators.get(device)
-        if a is None:
-            a = allocators[device] = conf_check if not allocators else CachingAllocator(alloc_conf)
-        return a
+    def free(key: int, n: int, d: int) -> bool:
+        """Free ``key``'s block, or a baseline block of ``n`` bytes (a spliced timeline's repeated blocks)."""
+        entry = live.pop(key, None)
+        if entry is None:
+            same = base_by_size.get((d, n))
+            while same and same[-1] not in live:
+                same.pop()
+            if not same:
+                return False
+            entry = live.pop(same.pop())
+        elif key in stacked:
+            live[key] = stacked[key].pop()
+            if not stacked[key]:
+                del stacked[key]
+        entry[0].free(entry[1])
+        return True
 
-    live: dict[int, list] = {}  # storage key -> handles (a stack: key -1 is a kernel buffer freed at once)
-    base_by_size: dict[tuple[int, int], list] = {}
-    base_keys: set[int] = set()
+    def malloc(key: int, n: int, a: CachingAllocator) -> None:
+        entry = (a, a.malloc(n))
+        if key in live:
+            stacked.setdefault(key, []).append(live[key])
+        live[key] = entry
+
     for key, nbytes, device in baseline_blocks:
-        if device < len(cuda) and not cuda[device]:
-            continue
-        handle = allocator(device).malloc(int(nbytes))
-        live.setdefault(key, []).append((device, handle))
-        base_by_size.setdefault((device, int(nbytes)), []).append(key)
-        base_keys.add(key)
-    base_reserved = sum(a.reserved_bytes for a in allocators.values())
+        a = allocators[device] if device < len(allocators) else None
+        if a is not None:
+            malloc(key, int(nbytes), a)
+            base_by_size.setdefault((device, int(nbytes)), []).append(key)
+    base_reserved = total = sum(a.reserved_bytes for a in allocators if a is not None)
 
-    action = timeline.column("action").tolist()
-    nbytes = timeline.column("bytes").tolist()
-    dev = timeline.column("device").tolist()
-    storage = timeline.column("storage").tolist()
-    series = np.empty(len(action), dtype=np.int64)
-    reserved = {d: a.reserved_bytes for d, a in allocators.items()}
-    total = base_reserved
+    columns = (timeline.column(c).tolist() for c in ("action", "bytes", "device", "storage"))
+    series: list[int] = []
+    append = series.append
     unmatched = 0
-    for i, (act, n, d, key) in enumerate(zip(action, nbytes, dev, storage, strict=True)):
-        if cuda[d]:
-            a = allocator(d)
+    for act, n, d, key in zip(*columns, strict=True):
+        a = allocators[d]
+        if a is not None:
+            before = a.reserved_bytes
             if act == ALLOC:
-                live.setdefault(key, []).append((d, a.malloc(n)))
-            else:
-                handles = live.get(key)
-                if not handles:  # a baseline storage under another key (a spliced timeline's repeated blocks)
-                    same = base_by_size.get((d, n))
-                    while same and not live.get(same[-1]):
-                        same.pop()
-                    handles = live.get(same[-1]) if same else None
-                if handles:
-                    a.free(handles.pop()[1])
-                else:
-                    unmatched += 1
-            r = a.reserved_bytes
-            total += r - reserved.get(d, 0)
-            reserved[d] = r
-        series[i] = total
-    return ReservedReplay(series, base_reserved, unmatched, alloc_conf)
+                malloc(key, n, a)
+            elif not free(key, n, d):
+                unmatched += 1
+            total += a.reserved_bytes - before
+        append(total)
+    return ReservedReplay(np.array(series, dtype=np.int64), base_reserved, unmatched, alloc_conf)
