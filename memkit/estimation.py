@@ -193,7 +193,9 @@ def estimate(
     ``fragmentation_bytes`` (reserved minus allocated bytes at the reserved peak, at its fullest moment: reserved
     never falls in the replay, so its peak lasts, and this is its least slack: cached free blocks and segment
     tails), ``alloc_conf`` and ``unmatched_frees`` (frees the replay could not pair: 0 unless something is wrong).
-    Not modelled: the CUDA context and cuBLAS/cuDNN workspaces (outside the allocator).
+    Not modelled: the CUDA context and cuBLAS/cuDNN workspaces (outside the allocator). With ``steps=N`` (N > 1) the
+    window's baseline (the earlier steps' optimizer state, gradients) is allocated fresh in the replay, not laid out
+    as those steps left it.
 
     A model whose forward sizes a tensor by the values of another (a mixture of experts routing tokens: HiDream-I1)
     is a NotImplementedError that says so: fake tensors hold no values, and the real memory follows them

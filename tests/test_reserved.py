@@ -164,3 +164,25 @@ def test_spliced_baseline_gives_the_reserved_of_every_block():
     assert spliced.baseline_reserved_bytes == every.baseline_reserved_bytes
     keys = ("first_step_peak_reserved_bytes", "steady_peak_reserved_bytes", "fragmentation_bytes")
     assert [spliced.meta[k] for k in keys] == [every.meta[k] for k in keys]
+
+
+@pytest.mark.slow  # full Flux four times (memoized: ~5 s each)
+def test_the_readme_reserved_table_is_what_the_estimates_say(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text[text.index("| FLUX.1-dev (full size, bf16 AdamW") :].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == 2
+    for row in table:
+        command, *figures = re.fullmatch(
+            r"\| .*\(`(memkit estimate [^`]+)`\) \| ([\d.]+) GiB \| ([\d.]+) GiB \| ([\d.]+) GiB \|", row
+        ).groups()
+        got = []
+        for conf in ("", "expandable_segments:True"):
+            assert main([*command.split()[1:], "--json", "--alloc-conf", conf]) == 0
+            got.append(json.loads(capsys.readouterr().out))
+        plain, expandable = got
+        key = "steady_peak_reserved_bytes"
+        shown = [plain["steady_peak_bytes"], plain[key], expandable[key]]
+        assert [f"{b / 2**30:.2f}" for b in shown] == figures, row
