@@ -18,7 +18,9 @@ _RESULTS: collections.OrderedDict[tuple, Timeline] = collections.OrderedDict()
 _RESULTS_KEPT = 64
 
 
-def _cache_key(*, model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes, memoize):
+def _cache_key(
+    *, model, inputs, step, optimizations, dtype, size, batch_size, device, seed, parallel, sizes, memoize, alloc_conf
+):  # fmt: skip
     if not isinstance(model, str) or inputs is not None:
         return None
     parts = []
@@ -45,6 +47,7 @@ def _cache_key(*, model, inputs, step, optimizations, dtype, size, batch_size, d
         tuple(sorted(sizes.items())),
         env,
         memoize,
+        alloc_conf,
     )
 
 

@@ -7,8 +7,9 @@ overestimates; not fake "cuda": that crashes on a CPU build).
 
 What an estimate for ``device="cuda"`` models: the caching allocator's rounding (every block a multiple of
 512 bytes), so the peak compares with ``torch.cuda.max_memory_allocated``. What it does not model: the
-CUDA context (~300–500 MiB per process, outside the allocator), cuBLAS/cuDNN workspaces, kernel choices
-that differ between CPU and CUDA (attention backends), and fragmentation (reserved > allocated).
+CUDA context (~300–500 MiB per process, outside the allocator), cuBLAS/cuDNN workspaces, and kernel choices
+that differ between CPU and CUDA (attention backends). Reserved bytes (allocated plus what the caching allocator
+keeps cached) come from replaying the events through a model of that allocator (``timeline.reserved_bytes``).
 
 State an optimization keeps in host memory while the parameters are on the accelerator (an EMA with
 ``mode="offload"`` or ``"cpu_only"``) is not in the device timeline: the optimization reads
@@ -43,10 +44,12 @@ from . import _memo, _splice
 from ._results import _cache_key, _lookup, _store, clear_cache
 from ._torch_compat import known_values
 from .handle import Optimization, apply_all
+from .memory._allocator_config import parse_conf
 from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
 from .memory.recording import _owned_of, track
+from .memory.reserved import replay_reserved
 from .memory.timeline import Timeline
 from .models import _build, _default_dtype, config_preset, load_model, make_inputs
 from .naming import resolve, unestimable
@@ -100,6 +103,7 @@ def estimate(
     fused_backward: bool = False,
     optimizer_on: str = "device",
     offload_gradients: bool = False,
+    alloc_conf: str = "",
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -162,6 +166,9 @@ def estimate(
             identical blocks (an EMA, offload, FSDP, checkpointing of some blocks only) and models without such a
             list run every block; ``meta["memoized"]`` says which happened and ``meta["memo"]`` why. False runs
             every block (the reference the memoized timeline is tested against).
+        alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string (``"expandable_segments:True"``, ``"max_split_size_mb:512"``)
+            for the caching allocator the ``"cuda"`` events are replayed through (a bad option is a ValueError
+            naming it); ``""`` is torch's defaults. Unused for another device.
 
     Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count
     (``parameters``; ``trainable_parameters``: those the step trains, e.g. only the adapters under
@@ -175,6 +182,20 @@ def estimate(
     the most gradient shards, optimizer state and host-side optimizer temporaries alive at once as
     ``"gradient"``, ``"optimizer_state"``, ``"temporary"``), ``disk_bytes`` (weights ``Offload(to="disk")``
     keeps on disk), ``memoized`` and ``memo`` (see ``memoize``) and the seconds the estimate took.
+
+    Reserved bytes (``device="cuda"``; None for another device): every device allocation and free of the window, in
+    order and rounded as the allocator sees them, after the baseline's storages, is replayed through
+    :class:`memkit.memory.caching_allocator.CachingAllocator` (:mod:`memkit.memory.reserved`);
+    ``timeline.reserved_bytes`` is the series beside ``live_bytes``, ``timeline.peak_reserved_bytes`` its peak
+    (``max_memory_reserved``: what a GPU runs out of). In ``meta``: ``peak_reserved_bytes`` (over the window),
+    ``first_step_peak_reserved_bytes`` and ``steady_peak_reserved_bytes`` (each step's reserved peak; the steady
+    step starts with the segments the first left cached, as on a GPU, so it is never below the first's),
+    ``fragmentation_bytes`` (reserved minus allocated bytes at the reserved peak, at its fullest moment: reserved
+    never falls in the replay, so its peak lasts, and this is its least slack: cached free blocks and segment
+    tails), ``alloc_conf`` and ``unmatched_frees`` (frees the replay could not pair: 0 unless something is wrong).
+    Not modelled: the CUDA context and cuBLAS/cuDNN workspaces (outside the allocator). With ``steps=N`` (N > 1) the
+    window's baseline (the earlier steps' optimizer state, gradients) is allocated fresh in the replay, not laid out
+    as those steps left it.
 
     A model whose forward sizes a tensor by the values of another (a mixture of experts routing tokens: HiDream-I1)
     is a NotImplementedError that says so: fake tensors hold no values, and the real memory follows them
@@ -249,10 +270,14 @@ def estimate(
                 "memkit.FSDP(cpu_offload=True) keeps the shards and the optimizer in CPU memory"
             )
 
+    if not isinstance(alloc_conf, str):
+        raise TypeError(f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string, got {type(alloc_conf).__name__}")
+    parse_conf(alloc_conf)  # a bad option is a ValueError naming it, before the step runs
     t0 = time.perf_counter()
     key = _cache_key(
         model=key_model, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype, size=size,
         batch_size=batch_size, device=device, seed=seed, parallel=parallel, sizes=sizes, memoize=memoize,
+        alloc_conf=alloc_conf,
     )  # fmt: skip
     cached = _lookup(key, t0)
     if cached is not None:
@@ -301,8 +326,9 @@ def estimate(
                 why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"
     if measured is None:
         measured = _measure(**run, memoize=False)
-    timeline, starts, (params, trainable), host_bytes, disk = measured
+    timeline, starts, (params, trainable), host_bytes, disk, base_blocks = measured
     first, steady = _step_peaks(timeline, step, starts)
+    reserved = _reserved(timeline, step, starts, base_blocks, alloc_conf) if cuda else _NO_RESERVED
     timeline.meta.update(
         estimate=True,
         model=model if isinstance(model, str) else getattr(model, "__name__", "model"),
@@ -320,6 +346,7 @@ def estimate(
         step_starts=starts,
         first_step_peak_bytes=first,
         steady_peak_bytes=steady,
+        **reserved,
         bytes="allocated",
         device=device,
         optimizations=[str(o) for o in optimizations],
@@ -433,13 +460,15 @@ def _measure(
                 finally:
                     if tagger is not None:
                         tagger.remove()
+        base_blocks = list(tracker.baseline_blocks)
         if tagger is not None:
             timeline, starts = _spliced(tagger, tracker, timeline, starts)
+            base_blocks = _spliced_baseline(tagger, base_blocks)
         # noted state (the most alive at once: gradients and optimizer state of a host optimizer come and go)
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
-    return timeline, starts, (params, trainable), host_bytes, sum(plan.disk)
+    return timeline, starts, (params, trainable), host_bytes, sum(plan.disk), base_blocks
 
 
 def _weights(p: torch.Tensor) -> int:
@@ -473,6 +502,73 @@ def _spliced(tagger: _memo.Tagger, tracker, probe: Timeline, starts: list[int]) 
     source_rows = np.asarray(source)
     full_starts = [int(np.argmax(source_rows >= s)) if len(source_rows) else 0 for s in starts]
     return timeline, full_starts
+
+
+def _spliced_baseline(tagger: _memo.Tagger, blocks: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The full model's baseline storages from the probe's: each list's middle-block storages repeated for every
+    middle block the probe left out, right after that block's own (fresh negative keys: no event frees them by key,
+    a free of one pairs by size in the replay)."""
+    from ._memo import PROBE
+
+    full = [n for _, n, _ in tagger.lists]
+    last_of: dict[int, int] = {}  # list index -> position of its middle block's last storage
+    for pos, (key, _, _) in enumerate(blocks):
+        owner = tagger.base_owner.get(key)
+        if owner is not None and owner[1] == 1:
+            last_of[owner[0]] = pos
+    out: list[tuple[int, int, int]] = []
+    fresh = -(1 << 40)
+    for pos, block in enumerate(blocks):
+        out.append(block)
+        for li, last in last_of.items():
+            if last != pos:
+                continue
+            middle = [b for b in blocks if tagger.base_owner.get(b[0]) == (li, 1)]
+            for _ in range(full[li] - PROBE):
+                for _, nbytes, device in middle:
+                    fresh -= 1
+                    out.append((fresh, nbytes, device))
+    return out
+
+
+_NO_RESERVED = dict(
+    peak_reserved_bytes=None,
+    first_step_peak_reserved_bytes=None,
+    steady_peak_reserved_bytes=None,
+    fragmentation_bytes=None,
+    alloc_conf=None,
+)
+
+
+def _reserved(timeline: Timeline, step: Step, starts: list[int], base_blocks, alloc_conf: str) -> dict[str, Any]:
+    """Replay a CUDA estimate's events through the caching allocator, attach the reserved series to ``timeline``
+    and return its meta figures (see :func:`estimate`)."""
+    replay = replay_reserved(timeline, baseline_blocks=base_blocks, alloc_conf=alloc_conf)
+    timeline.set_reserved(replay.series, replay.baseline_bytes)
+    series = replay.series
+    if not step.training:
+        first = steady = timeline.peak_reserved_bytes
+    elif step.first_and_steady:
+        first, steady = timeline.peak_reserved_between(0, starts[1]), timeline.peak_reserved_between(starts[1])
+    elif step.steps == 1:
+        first, steady = timeline.peak_reserved_bytes, None
+    else:
+        first, steady = None, timeline.peak_reserved_bytes
+    peak = timeline.peak_reserved_bytes
+    # reserved never falls in a replay without a capacity: its peak is a plateau, taken at its fullest moment
+    at_peak = series == peak
+    fullest = int(timeline.live_bytes[at_peak].max()) if at_peak.any() else 0
+    if replay.baseline_bytes == peak:
+        fullest = max(fullest, timeline.baseline_bytes)
+    fragmentation = peak - fullest
+    return dict(
+        peak_reserved_bytes=peak,
+        first_step_peak_reserved_bytes=first,
+        steady_peak_reserved_bytes=steady,
+        fragmentation_bytes=fragmentation,
+        alloc_conf=alloc_conf,
+        unmatched_frees=replay.unmatched_frees,
+    )
 
 
 def _step_peaks(timeline: Timeline, step: Step, starts: list[int]) -> tuple[int | None, int | None]:

@@ -174,7 +174,9 @@ def timeline_figure(
     (``meta["time_unit"] == "event"``) is drawn against the event index and labelled so. A snapshot's
     baseline (blocks live before its trace, of unknown category) is drawn as a dashed line and named so; a
     peak that no event reached (memory never rose above the baseline) is annotated as the baseline, with no time;
-    the out-of-memory errors a snapshot's trace logged are dotted red lines on their device.
+    the out-of-memory errors a snapshot's trace logged are dotted red lines on their device. A timeline with
+    reserved bytes (a CUDA estimate: :attr:`Timeline.reserved_bytes`) adds a dotted ``reserved`` line above the
+    stack: the caching allocator's segments, what ``max_memory_reserved`` counts.
 
     Example:
         >>> with memkit.track(model, optimizer=opt, inputs=x) as tl:
@@ -202,12 +204,16 @@ def timeline_figure(
     instant = t_end <= t_start  # one moment only: plotly would centre it on an axis from -1 to 1
     for row, panel in enumerate(panels, 1):
         where = {"row": row, "col": 1} if split else {}
-        x, _, by_cat = _series(panel, max_points)
+        x, idx, by_cat = _series(panel, max_points)
+        reserved = panel.reserved_bytes
+        if reserved is not None:  # never falls without an out-of-memory retry or empty_cache: exact at kept events
+            reserved = np.concatenate([[panel.baseline_reserved_bytes], reserved[idx]])
         # a device whose last event came earlier (or never) holds its memory to the end; untimed traces are laid
         # end to end, so a device's level is drawn past its own events only when it has none
         if x[-1] < t_end and (not events or len(panel) == 0):
             x = np.append(x, t_end)
             by_cat = {c: np.append(v, v[-1]) for c, v in by_cat.items()}
+            reserved = None if reserved is None else np.append(reserved, reserved[-1])
         x32 = x.astype(np.float32)  # a third smaller figure; float32 still resolves 8 µs at t = 100 s
         for cat in _nonzero_categories(panel):
             color = CATEGORY_COLORS[cat]
@@ -218,6 +224,9 @@ def timeline_figure(
         total_name = f"total {devices[row - 1]}" if split else "total"
         total = _step(x32, sum(by_cat.values()) / div, total_name, unit, line={"width": 1, "color": "#333"})
         fig.add_trace(total, **where)
+        if reserved is not None:
+            line = {"width": 1.5, "color": "#c0392b", "dash": "dot"}
+            fig.add_trace(_step(x32, reserved / div, "reserved", unit, line=line), **where)
         if before == "the trace" and panel.baseline_bytes:  # a snapshot's baseline is all "unknown": say what it is
             name, base = f"baseline (live before {before})", panel.baseline_bytes / div
             dash = {"width": 1, "color": "#666", "dash": "dash"}

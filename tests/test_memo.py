@@ -91,6 +91,10 @@ def assert_same(memo: memkit.Timeline, slow: memkit.Timeline) -> None:
     ):
         assert memo.meta[key] == slow.meta[key], key
     assert memo.peak_bytes == slow.peak_bytes
+    # the caching-allocator replay sees the same blocks: the spliced baseline's repeated storages included
+    assert memo.baseline_reserved_bytes == slow.baseline_reserved_bytes
+    if memo.reserved_bytes is not None:
+        assert np.array_equal(memo.reserved_bytes, slow.reserved_bytes)
 
 
 def both(model, **kwargs) -> tuple[memkit.Timeline, memkit.Timeline]:

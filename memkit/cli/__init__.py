@@ -119,6 +119,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux --mixed-precision bf16   # fp32 weights and AdamW, bf16 autocast\n"
         "  memkit estimate flux --optimizer-on cpu       # AdamW's state and step in CPU memory (torchao)\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n"
+        "  memkit estimate flux --alloc-conf expandable_segments:True   # reserved with expandable segments\n"
         "  memkit estimate Wan-AI/Wan2.1-T2V-14B-Diffusers   # a preset by its hub id, offline\n"
         "  memkit estimate path/to/transformer/config.json   # any config of a class memkit feeds\n\n"
         + _presets_epilog(),
@@ -204,6 +205,13 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --optimizer-on cpu: free each device gradient once it is copied to the host (torchao's "
         "offload_gradients); refuses --grad-accum N > 1",
+    )
+    p.add_argument(
+        "--alloc-conf",
+        default="",
+        metavar="CONF",
+        help="a PYTORCH_CUDA_ALLOC_CONF string (e.g. expandable_segments:True) for the caching allocator the "
+        "estimate's events are replayed through to give reserved bytes (device cuda); default: torch's defaults",
     )
     for key, unit in SIZE_FLAGS.items():
         p.add_argument(

@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         fused_backward=args.fused_backward,
         optimizer_on=args.optimizer_on,
         offload_gradients=args.offload_gradients,
+        alloc_conf=args.alloc_conf,
         **sizes,
     )
     plan = None
@@ -184,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
         "peak_bytes": timeline.peak_bytes,
         "first_step_peak_bytes": meta["first_step_peak_bytes"],
         "steady_peak_bytes": meta["steady_peak_bytes"],
+        "peak_reserved_bytes": meta.get("peak_reserved_bytes"),
+        "first_step_peak_reserved_bytes": meta.get("first_step_peak_reserved_bytes"),
+        "steady_peak_reserved_bytes": meta.get("steady_peak_reserved_bytes"),
+        "fragmentation_bytes": meta.get("fragmentation_bytes"),
+        "alloc_conf": meta.get("alloc_conf"),
         "peak_by_category": timeline.peak_by_category(),
         "host_bytes": dict(meta.get("host_bytes") or {}),
         "seconds": meta["seconds"],
@@ -245,6 +251,20 @@ def run(args: argparse.Namespace) -> int:
             (f"  first step ({args.unit})", f"{meta['first_step_peak_bytes'] / div:{num}}"),
             (f"  steady step ({args.unit})", f"{meta['steady_peak_bytes'] / div:{num}}"),
         ]
+    if meta.get("peak_reserved_bytes") is not None:
+        rows.append(
+            (f"peak reserved ({args.unit}, {_which(meta, 'reserved_')})", f"{meta['peak_reserved_bytes'] / div:{num}}")
+        )
+        if meta["measured"] == "first and steady":
+            rows += [
+                (f"  first step ({args.unit})", f"{meta['first_step_peak_reserved_bytes'] / div:{num}}"),
+                (f"  steady step ({args.unit})", f"{meta['steady_peak_reserved_bytes'] / div:{num}}"),
+            ]
+        rows.append(
+            (f"  fragmentation ({args.unit}, at the reserved peak)", f"{meta['fragmentation_bytes'] / div:{num}}")
+        )
+        rows.append(("  alloc conf", meta["alloc_conf"] or "torch's defaults"))
+    if meta["measured"] == "first and steady":
         rows.append((f"by category, at the peak ({args.unit})", ""))
     rows += [(f"  {c}", f"{v / div:{num}}") for c, v in result["peak_by_category"].items() if v]
     if any(result["host_bytes"].values()):  # e.g. an offloaded EMA: in CPU memory, so not in the GPU peak
@@ -267,17 +287,19 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.device == "cuda":
         print(
-            "\nThe peak is allocated bytes: it compares with torch.cuda.max_memory_allocated(); add the CUDA context "
-            "(~0.3-0.5 GiB), cuBLAS workspaces and fragmentation for nvidia-smi."
+            "\nThe peak is allocated bytes: it compares with torch.cuda.max_memory_allocated(); peak reserved adds "
+            "what the caching allocator keeps cached (max_memory_reserved(), what a GPU runs out of); add the CUDA "
+            "context (~0.3-0.5 GiB) and cuBLAS workspaces for nvidia-smi."
         )
     return 0
 
 
-def _which(meta: dict) -> str:
-    """Which step the peak is, in words: the larger of the two, or the one measured."""
+def _which(meta: dict, kind: str = "") -> str:
+    """Which step the peak is, in words: the larger of the two, or the one measured (``kind="reserved_"``: of the
+    reserved peaks)."""
     measured = meta["measured"]
     if measured == "first and steady":
-        first, steady = meta["first_step_peak_bytes"], meta["steady_peak_bytes"]
+        first, steady = meta[f"first_step_peak_{kind}bytes"], meta[f"steady_peak_{kind}bytes"]
         return "steady step" if steady > first else "first step" if first > steady else "first = steady step"
     if measured in ("first", "steady"):
         return f"{measured} step (of --steps {meta['steps']})"

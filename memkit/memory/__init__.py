@@ -28,6 +28,8 @@ _EXPORTS = {
     "SnapshotError": ".snapshot",
     "load_snapshot": ".snapshot",
     "read_snapshot": ".snapshot",
+    "ReservedReplay": ".reserved",
+    "replay_reserved": ".reserved",
     "RSSSamples": ".rss",
     "rss_bytes": ".rss",
     "sample_rss": ".rss",
@@ -52,6 +54,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "PHASES",
     "RSSSamples",
+    "ReservedReplay",
     "SnapshotError",
     "Timeline",
     "Tracker",
@@ -66,6 +69,7 @@ __all__ = [
     "read_snapshot",
     "record_cuda_history",
     "released",
+    "replay_reserved",
     "rss_bytes",
     "sample_rss",
     "tag",
@@ -79,6 +83,7 @@ if TYPE_CHECKING:
     from .caching_allocator import CachingAllocator, DeviceOutOfMemoryError
     from .cuda import CudaHistory, CudaHistoryError, cuda_history_available, cuda_snapshot, record_cuda_history
     from .recording import current_timeline, phase, released, tag, track, tracking
+    from .reserved import ReservedReplay, replay_reserved
     from .rss import RSSSamples, rss_bytes, sample_rss
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot

@@ -161,6 +161,7 @@ class _Roles:
             n = self._round(n)
             self._baseline[category] += n
             device = self._device_code(t.device)
+            self.baseline_blocks.append((key, n, device))
             self._live[key] = _Live(-1, n, code, _OTHER, weakref.ref(s, partial(self._on_free, key, device)))
 
     def register_host(self, tensors: Iterable[torch.Tensor], category: str) -> None:

@@ -141,6 +141,8 @@ class Tracker(_Roles):
         self.device = device
         self._live: dict[int, _Live] = {}
         self._baseline = {c: 0 for c in CATEGORY_CODE}
+        # each baseline storage as (key, bytes, device code), in registration order: the allocator replay's blocks
+        self.baseline_blocks: list[tuple[int, int, int]] = []
         self._explicit: list[int] = []
         self._forward_depth = 0
         self._optimizer_depth = 0

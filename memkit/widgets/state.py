@@ -371,6 +371,7 @@ class PlaygroundState:
             key = _cache_key(
                 model=preset, inputs=None, step=step, optimizations=others, dtype=dtype, size=size,
                 batch_size=batch, device="cuda", seed=seed, parallel=parallel, sizes=sizes, memoize=True,
+                alloc_conf="",
             )  # fmt: skip
             tl = _lookup(key, time.perf_counter())
             if tl is None:
