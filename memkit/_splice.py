@@ -322,3 +322,49 @@ def columns(rows: list[tuple]) -> dict[str, np.ndarray]:
     if len(out["time"]):
         out["time"] = np.maximum.accumulate(out["time"])
     return out
+
+
+def spliced_timeline(tagger: Tagger, tracker, probe: Any, starts: list[int]) -> tuple[Any, list[int]]:
+    """The full model's timeline from the probe's tagged events, and where each tracked step starts in it."""
+    if probe.meta.get("host_peak_bytes") or probe.meta.get("host_state_bytes"):
+        raise Unsupported("the step keeps memory off the device")
+    rows, baseline, source = splice(tagger, list(tracker.log.rows), list(tracker.log.retags), tracker._baseline)
+    log = tracker.log
+    from .memory.timeline import Timeline
+
+    timeline = Timeline(
+        columns(rows),
+        baseline_by_category=baseline,
+        devices=list(log.devices.items),
+        ops=list(log.ops.items),
+        frames=list(log.frames.items),
+        meta=dict(probe.meta),
+    )
+    source_rows = np.asarray(source)
+    full_starts = [int(np.argmax(source_rows >= s)) if len(source_rows) else 0 for s in starts]
+    return timeline, full_starts
+
+
+def spliced_baseline(tagger: Tagger, blocks: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The full model's baseline storages from the probe's: each list's middle-block storages repeated for every
+    middle block the probe left out, right after that block's own (fresh negative keys: no event frees them by key,
+    a free of one pairs by size in the replay)."""
+    full = [n for _, n, _ in tagger.lists]
+    last_of: dict[int, int] = {}  # list index -> position of its middle block's last storage
+    for pos, (key, _, _) in enumerate(blocks):
+        owner = tagger.base_owner.get(key)
+        if owner is not None and owner[1] == 1:
+            last_of[owner[0]] = pos
+    out: list[tuple[int, int, int]] = []
+    fresh = -(1 << 40)
+    for pos, block in enumerate(blocks):
+        out.append(block)
+        for li, last in last_of.items():
+            if last != pos:
+                continue
+            middle = [b for b in blocks if tagger.base_owner.get(b[0]) == (li, 1)]
+            for _ in range(full[li] - PROBE):
+                for _, nbytes, device in middle:
+                    fresh -= 1
+                    out.append((fresh, nbytes, device))
+    return out

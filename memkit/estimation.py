@@ -40,8 +40,9 @@ import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from tqdm.auto import tqdm
 
-from . import _memo, _splice
+from . import _memo, _splice, gpus
 from ._results import _cache_key, _lookup, _store, clear_cache
+from ._step_peaks import _NO_RESERVED, _reserved, _step_of, _step_peaks
 from ._torch_compat import known_values
 from .handle import Optimization, apply_all
 from .memory._allocator_config import parse_conf
@@ -49,12 +50,11 @@ from .memory._fake_dispatch import FakeDispatchCache
 from .memory.events import CUDA_BLOCK
 from .memory.placement import note_disk_memory, note_host_memory, noted_in_host, planned_device, planning
 from .memory.recording import _owned_of, track
-from .memory.reserved import replay_reserved
 from .memory.timeline import Timeline
 from .models import _build, _default_dtype, config_preset, load_model, make_inputs
 from .naming import resolve, unestimable
 from .parallel import FSDP, on_local_shards, refuse_group_offload, sharded_order, split_parallel
-from .step import OPTIMIZERS, Step
+from .step import Step
 
 __all__ = ["clear_cache", "estimate", "noted_in_host", "note_disk_memory", "note_host_memory", "planned_device"]
 
@@ -104,6 +104,7 @@ def estimate(
     optimizer_on: str = "device",
     offload_gradients: bool = False,
     alloc_conf: str = "",
+    gpu: str | None = None,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -169,6 +170,9 @@ def estimate(
         alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string (``"expandable_segments:True"``, ``"max_split_size_mb:512"``)
             for the caching allocator the ``"cuda"`` events are replayed through (a bad option is a ValueError
             naming it); ``""`` is torch's defaults. Unused for another device.
+        gpu: a GPU to judge the reserved peak against (``"4090"``, ``"h100"``, ``"24GiB"``: `memkit.gpus`; only with
+            ``device="cuda"``): ``meta`` gains ``fits``, ``verdict`` (fits / within the spread / does not fit),
+            ``headroom_bytes``, ``usable_bytes`` and the card's names (see :func:`memkit.gpus.judge`).
 
     Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count
     (``parameters``; ``trainable_parameters``: those the step trains, e.g. only the adapters under
@@ -273,6 +277,9 @@ def estimate(
     if not isinstance(alloc_conf, str):
         raise TypeError(f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string, got {type(alloc_conf).__name__}")
     parse_conf(alloc_conf)  # a bad option is a ValueError naming it, before the step runs
+    card = None if gpu is None else gpus.find(gpu)  # an unknown name lists the known ones, before the step runs
+    if card is not None and device != "cuda":
+        raise ValueError(f"gpu={gpu!r} judges a device='cuda' estimate's reserved peak; got device={device!r}")
     t0 = time.perf_counter()
     key = _cache_key(
         model=key_model, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype, size=size,
@@ -281,7 +288,7 @@ def estimate(
     )  # fmt: skip
     cached = _lookup(key, t0)
     if cached is not None:
-        return cached
+        return cached if card is None else _judged(cached, card)
     plans = []
     if any(getattr(o, "budget_bytes", None) is not None for o in optimizations):
         optimizations, plans = _plan_budgets(
@@ -362,6 +369,11 @@ def estimate(
         seconds=time.perf_counter() - t0,
     )
     _store(key, timeline)
+    return timeline if card is None else _judged(timeline, card)
+
+
+def _judged(timeline: Timeline, card: gpus.GPU) -> Timeline:
+    gpus.judge(timeline, card)
     return timeline
 
 
@@ -462,8 +474,8 @@ def _measure(
                         tagger.remove()
         base_blocks = list(tracker.baseline_blocks)
         if tagger is not None:
-            timeline, starts = _spliced(tagger, tracker, timeline, starts)
-            base_blocks = _spliced_baseline(tagger, base_blocks)
+            timeline, starts = _splice.spliced_timeline(tagger, tracker, timeline, starts)
+            base_blocks = _splice.spliced_baseline(tagger, base_blocks)
         # noted state (the most alive at once: gradients and optimizer state of a host optimizer come and go)
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
@@ -483,117 +495,3 @@ def _active_tracker():
     from .memory.tracker import _active
 
     return _active[-1]
-
-
-def _spliced(tagger: _memo.Tagger, tracker, probe: Timeline, starts: list[int]) -> tuple[Timeline, list[int]]:
-    """The full model's timeline from the probe's tagged events, and where each tracked step starts in it."""
-    if probe.meta.get("host_peak_bytes") or probe.meta.get("host_state_bytes"):
-        raise _memo.Unsupported("the step keeps memory off the device")
-    rows, baseline, source = _splice.splice(tagger, list(tracker.log.rows), list(tracker.log.retags), tracker._baseline)
-    log = tracker.log
-    timeline = Timeline(
-        _splice.columns(rows),
-        baseline_by_category=baseline,
-        devices=list(log.devices.items),
-        ops=list(log.ops.items),
-        frames=list(log.frames.items),
-        meta=dict(probe.meta),
-    )
-    source_rows = np.asarray(source)
-    full_starts = [int(np.argmax(source_rows >= s)) if len(source_rows) else 0 for s in starts]
-    return timeline, full_starts
-
-
-def _spliced_baseline(tagger: _memo.Tagger, blocks: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """The full model's baseline storages from the probe's: each list's middle-block storages repeated for every
-    middle block the probe left out, right after that block's own (fresh negative keys: no event frees them by key,
-    a free of one pairs by size in the replay)."""
-    from ._memo import PROBE
-
-    full = [n for _, n, _ in tagger.lists]
-    last_of: dict[int, int] = {}  # list index -> position of its middle block's last storage
-    for pos, (key, _, _) in enumerate(blocks):
-        owner = tagger.base_owner.get(key)
-        if owner is not None and owner[1] == 1:
-            last_of[owner[0]] = pos
-    out: list[tuple[int, int, int]] = []
-    fresh = -(1 << 40)
-    for pos, block in enumerate(blocks):
-        out.append(block)
-        for li, last in last_of.items():
-            if last != pos:
-                continue
-            middle = [b for b in blocks if tagger.base_owner.get(b[0]) == (li, 1)]
-            for _ in range(full[li] - PROBE):
-                for _, nbytes, device in middle:
-                    fresh -= 1
-                    out.append((fresh, nbytes, device))
-    return out
-
-
-_NO_RESERVED = dict(
-    peak_reserved_bytes=None,
-    first_step_peak_reserved_bytes=None,
-    steady_peak_reserved_bytes=None,
-    fragmentation_bytes=None,
-    alloc_conf=None,
-)
-
-
-def _reserved(timeline: Timeline, step: Step, starts: list[int], base_blocks, alloc_conf: str) -> dict[str, Any]:
-    """Replay a CUDA estimate's events through the caching allocator, attach the reserved series to ``timeline``
-    and return its meta figures (see :func:`estimate`)."""
-    replay = replay_reserved(timeline, baseline_blocks=base_blocks, alloc_conf=alloc_conf)
-    timeline.set_reserved(replay.series, replay.baseline_bytes)
-    series = replay.series
-    if not step.training:
-        first = steady = timeline.peak_reserved_bytes
-    elif step.first_and_steady:
-        first, steady = timeline.peak_reserved_between(0, starts[1]), timeline.peak_reserved_between(starts[1])
-    elif step.steps == 1:
-        first, steady = timeline.peak_reserved_bytes, None
-    else:
-        first, steady = None, timeline.peak_reserved_bytes
-    peak = timeline.peak_reserved_bytes
-    # reserved never falls in a replay without a capacity: its peak is a plateau, taken at its fullest moment
-    at_peak = series == peak
-    fullest = int(timeline.live_bytes[at_peak].max()) if at_peak.any() else 0
-    if replay.baseline_bytes == peak:
-        fullest = max(fullest, timeline.baseline_bytes)
-    fragmentation = peak - fullest
-    return dict(
-        peak_reserved_bytes=peak,
-        first_step_peak_reserved_bytes=first,
-        steady_peak_reserved_bytes=steady,
-        fragmentation_bytes=fragmentation,
-        alloc_conf=alloc_conf,
-        unmatched_frees=replay.unmatched_frees,
-    )
-
-
-def _step_peaks(timeline: Timeline, step: Step, starts: list[int]) -> tuple[int | None, int | None]:
-    """(first step's peak, steady step's peak) of a tracked window, None for a step that was not measured."""
-    if not step.training:  # no state lives across inference passes: each is the first and every later one
-        return timeline.peak_bytes, timeline.peak_bytes
-    if step.first_and_steady:
-        return timeline.peak_between(0, starts[1]), timeline.peak_between(starts[1])
-    return (timeline.peak_bytes, None) if step.steps == 1 else (None, timeline.peak_bytes)
-
-
-def _step_of(step: Step | None, mode: str, optimizer: str | None, steps: int | None, **options: Any) -> Step:
-    """The step an estimate runs: ``step``, or one built from ``mode``, ``optimizer``, ``steps`` and the recipe
-    ``options`` (``grad_accum``...), which keep :class:`Step`'s defaults when ``step`` is given."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Step)}
-    if step is None:
-        if optimizer == "auto":
-            optimizer = "adamw" if mode == "training" else None
-        elif optimizer is not None and mode == "training" and optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be 'auto', one of {list(OPTIMIZERS)} or None, got {optimizer!r}")
-        return Step(mode=mode, optimizer=optimizer, steps=steps, **options)  # validates each argument by name
-    if not isinstance(step, Step):
-        raise TypeError(f"step must be a memkit.Step or None, got {type(step).__name__}")
-    given = [k for k, v in options.items() if v != defaults[k]]
-    if (mode, optimizer, steps) != ("training", "auto", None) or given:
-        names = "/".join(["mode", "optimizer", "steps", *options])
-        raise ValueError(f"give either step or {names}, not both")
-    return step

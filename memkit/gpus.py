@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["CATALOG", "GPU", "Verdict", "find", "verdict"]
+__all__ = ["CATALOG", "GPU", "Verdict", "find", "judge", "verdict"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -186,3 +186,21 @@ def verdict(peak_reserved_bytes: int, gpu: GPU | str) -> Verdict:
         "fits" if peak_reserved_bytes <= low else "does not fit" if peak_reserved_bytes > high else "within the spread"
     )
     return Verdict(gpu, peak_reserved_bytes, status, low - peak_reserved_bytes)
+
+
+def judge(timeline, gpu: GPU) -> None:
+    """Write the verdict on ``timeline``'s peak reserved bytes (a CUDA estimate's) for ``gpu`` into its ``meta``:
+    ``gpu``, ``gpu_name``, ``usable_bytes`` (low, high), ``fits``, ``verdict`` and ``headroom_bytes``.
+    :func:`memkit.estimate` does it when given ``gpu=``.
+
+    Example:
+        >>> tl = memkit.estimate("pixart"); judge(tl, find("4090")); tl.meta["fits"]      # True
+    """
+    peak = timeline.peak_reserved_bytes
+    if peak is None:
+        raise ValueError("gpu= needs the reserved bytes of a device='cuda' estimate")
+    v = verdict(peak, gpu)
+    timeline.meta.update(
+        gpu=gpu.key, gpu_name=gpu.name, usable_bytes=list(gpu.usable_bytes()), fits=v.fits, verdict=v.status,
+        headroom_bytes=v.headroom_bytes,
+    )  # fmt: skip

@@ -76,3 +76,56 @@ def test_a_negative_peak_is_refused():
 
 def test_memkit_exposes_the_module():
     assert memkit.gpus.find is gpus.find
+
+
+def _cli(argv, capsys):
+    import json
+
+    from memkit.cli import main
+
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if "--json" in argv and code in (0, 1) else None), out.err
+
+
+def test_the_command_line_exit_status_is_the_verdict(capsys):
+    code, fits, _ = _cli(["estimate", "pixart", "--size", "tiny", "--gpu", "t4", "--json"], capsys)
+    assert code == 0 and fits["fits"] is True and fits["verdict"] == "fits" and fits["gpu"] == "t4"
+    assert fits["headroom_bytes"] == fits["usable_bytes"][0] - fits["peak_reserved_bytes"]
+    # 0.6 GiB less the context (426 MiB) and the workspace (32 MiB, an explicit size is taken as sm90): ~156 MiB,
+    # under small PixArt's bf16 weights alone
+    code, short, _ = _cli(["estimate", "pixart", "--size", "small", "--gpu", "0.6GiB", "--json"], capsys)
+    assert code == 1 and short["fits"] is False and short["verdict"] == "does not fit" and short["headroom_bytes"] < 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpu", "no-such-gpu"], "unknown gpu 'no-such-gpu': one of t4, l4"),
+        (["--gpu", "4090", "--device", "cpu"], "--gpu judges a --device cuda estimate"),
+    ],
+)
+def test_a_bad_gpu_is_a_clean_error(argv, message, capsys):
+    code, _, err = _cli(["estimate", "pixart", "--size", "tiny", *argv], capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_estimate_takes_a_gpu_and_judges_its_reserved_peak():
+    tl = memkit.estimate("pixart", size="tiny", gpu="24GiB", progress=False)
+    assert tl.meta["fits"] is True and tl.meta["gpu"] == "24GiB" and tl.meta["verdict"] == "fits"
+    assert tl.meta["headroom_bytes"] == 24 * GiB - 426 * MiB - 32 * MiB - tl.peak_reserved_bytes
+    again = memkit.estimate("pixart", size="tiny", progress=False)  # the process cache holds no verdict
+    assert again.meta["cached"] and "fits" not in again.meta
+    with pytest.raises(ValueError, match="gpu='4090' judges a device='cuda' estimate"):
+        memkit.estimate("pixart", size="tiny", device="cpu", gpu="4090", progress=False)
+    with pytest.raises(ValueError, match="unknown gpu"):
+        memkit.estimate("pixart", size="tiny", gpu="4091", progress=False)
+
+
+@pytest.mark.slow  # two full-size estimates (~10-20 s each)
+def test_full_flux_does_not_fit_a_4090_and_full_pixart_does(capsys):
+    # full FLUX.1-dev full fine-tune: 110.85 GiB allocated at its steady step, far over 24 GB; PixArt-Sigma's ~9.2 GiB
+    code, flux, _ = _cli(["estimate", "flux", "--gpu", "4090", "--json"], capsys)
+    assert code == 1 and flux["verdict"] == "does not fit" and flux["peak_reserved_bytes"] >= flux["peak_bytes"]
+    code, pixart, _ = _cli(["estimate", "pixart", "--gpu", "4090", "--json"], capsys)
+    assert code == 0 and pixart["fits"] and pixart["peak_reserved_bytes"] >= pixart["peak_bytes"]

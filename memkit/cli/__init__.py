@@ -120,6 +120,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux --optimizer-on cpu       # AdamW's state and step in CPU memory (torchao)\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n"
         "  memkit estimate flux --alloc-conf expandable_segments:True   # reserved with expandable segments\n"
+        "  memkit estimate pixart --gpu 4090 && accelerate launch train.py   # exit status 0 where it fits\n"
         "  memkit estimate Wan-AI/Wan2.1-T2V-14B-Diffusers   # a preset by its hub id, offline\n"
         "  memkit estimate path/to/transformer/config.json   # any config of a class memkit feeds\n\n"
         + _presets_epilog(),
@@ -212,6 +213,14 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         metavar="CONF",
         help="a PYTORCH_CUDA_ALLOC_CONF string (e.g. expandable_segments:True) for the caching allocator the "
         "estimate's events are replayed through to give reserved bytes (device cuda); default: torch's defaults",
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME",
+        help="judge the peak reserved bytes against a GPU (t4, l4, a10g, 3090, 4090, 5090, l40s, a100-40gb, "
+        "a100-80gb, h100, h200, b200, mi300x, or a size such as 24GiB): fits / within the spread / does not fit; the "
+        "exit status is the verdict (0 fits, 1 does not or may not, 2 the estimate could not run)",
     )
     for key, unit in SIZE_FLAGS.items():
         p.add_argument(

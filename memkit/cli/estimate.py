@@ -140,8 +140,16 @@ def run(args: argparse.Namespace) -> int:
         optimizer_on=args.optimizer_on,
         offload_gradients=args.offload_gradients,
         alloc_conf=args.alloc_conf,
+        gpu=args.gpu,
         **sizes,
     )
+    if args.gpu is not None:
+        if args.device != "cuda":
+            raise CLIError(f"--gpu judges a --device cuda estimate's reserved peak; got --device {args.device}")
+        try:
+            memkit.gpus.find(args.gpu)
+        except ValueError as e:
+            raise CLIError(str(e)) from None
     plan = None
     try:
         if auto is not None:
@@ -216,9 +224,13 @@ def run(args: argparse.Namespace) -> int:
             if path:
                 write_figure(fig, path, png=png)
                 print(f"wrote {path}", file=out)
+    status = 0
+    if args.gpu is not None:  # the exit status is the verdict: a launch script can guard a run with it
+        result.update({k: meta[k] for k in ("gpu", "gpu_name", "usable_bytes", "fits", "verdict", "headroom_bytes")})
+        status = 0 if meta["fits"] else 1
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return status
     div = UNITS[args.unit]
     num = ",.0f" if args.unit == "B" else ",.3f"
     inputs = [f"{shape['height']}x{shape['width']} px"] if "height" in shape else []
@@ -291,7 +303,10 @@ def run(args: argparse.Namespace) -> int:
             "what the caching allocator keeps cached (max_memory_reserved(), what a GPU runs out of); add the CUDA "
             "context (~0.3-0.5 GiB) and cuBLAS workspaces for nvidia-smi."
         )
-    return 0
+    if args.gpu is not None:
+        verdict = memkit.gpus.verdict(meta["peak_reserved_bytes"], memkit.gpus.find(args.gpu))
+        print(f"\nGPU: {verdict.describe()}")
+    return status
 
 
 def _which(meta: dict, kind: str = "") -> str:

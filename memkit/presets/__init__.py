@@ -7,8 +7,9 @@ Sana, Qwen-Image, FLUX.2, Chroma, AuraFlow, CogView4, Z-Image or Lumina-Image 2.
 tests; ``small``: 30-100M parameters, benchmarks; ``full``: the released config), the default input sizes, and the
 function that builds the forward's keyword arguments from pixel and token sizes. Each preset's input builder sits
 right above its config, in the file of its kind (``mmdit.py``: joint text-image attention; ``image.py``:
-cross-attention or a class label; ``video.py``), so adding a model is one block there and one name in the menu below;
-``_base.py`` holds `Preset` and the builders' helpers.
+cross-attention or a class label; ``video.py``: video with text cross-attention; ``video_joint.py``: joint text-video
+attention), so adding a model is one block there and one name in the menu below; ``_base.py`` holds `Preset` and the
+builders' helpers.
 """
 
 from __future__ import annotations
@@ -31,19 +32,8 @@ from .mmdit import (
     _SD35_MEDIUM,
     _Z_IMAGE,
 )
-from .video import (
-    _COGVIDEOX_2B,
-    _COGVIDEOX_5B,
-    _HUNYUAN_VIDEO,
-    _HUNYUAN_VIDEO15,
-    _LTX,
-    _LTX2,
-    _MOCHI,
-    _WAN,
-    _WAN22_T2V_A14B,
-    _WAN22_TI2V_5B,
-    _WAN_1_3B,
-)
+from .video import _LTX, _LTX2, _WAN, _WAN22_T2V_A14B, _WAN22_TI2V_5B, _WAN_1_3B
+from .video_joint import _COGVIDEOX_2B, _COGVIDEOX_5B, _HUNYUAN_VIDEO, _HUNYUAN_VIDEO15, _MOCHI
 
 __all__ = ["PRESETS", "SIZES", "InputBuilder", "Preset", "_Maker"]
 
