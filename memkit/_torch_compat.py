@@ -164,6 +164,31 @@ def fake_module_to() -> Iterator[None]:
         ...     torch.nn.Linear(4, 2).to(torch.bfloat16).weight.dtype      # torch.bfloat16
     """
     import torch
+
+    def cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
+        for m in module.modules():
+            for store in (m._parameters, m._buffers):
+                for key, t in store.items():
+                    if t is None or not _casts(t, dtype):
+                        continue
+                    new = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=t.device)
+                    param = store is m._parameters
+                    store[key] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+
+    with _fake_module_to(cast):
+        yield
+
+
+def _casts(t, dtype) -> bool:
+    """Whether ``Module.to(dtype)`` changes ``t``: a floating or complex tensor of another dtype."""
+    return t.dtype != dtype and (t.is_floating_point() or t.is_complex())
+
+
+@contextlib.contextmanager
+def _fake_module_to(cast: Callable[[Any, Any], None]) -> Iterator[None]:
+    """``Module.to`` patched while active: on a module holding fake tensors, ``cast(module, dtype)`` where the call
+    names a dtype (a device move keeps the fake device); torch's own ``to`` for real modules."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
     original = torch.nn.Module.to
@@ -173,15 +198,8 @@ def fake_module_to() -> Iterator[None]:
         if not tensors or not any(isinstance(t, FakeTensor) for t in tensors):
             return original(self, *args, **kwargs)
         _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        for module in self.modules():
-            for store in (module._parameters, module._buffers):
-                for key, t in store.items():
-                    if t is None or dtype is None or t.dtype == dtype or not (t.is_floating_point() or t.is_complex()):
-                        continue
-                    new = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=t.device)
-                    store[key] = (
-                        torch.nn.Parameter(new, requires_grad=t.requires_grad) if store is module._parameters else new
-                    )
+        if dtype is not None:
+            cast(self, dtype)
         return self
 
     torch.nn.Module.to = to
@@ -302,26 +320,15 @@ def fake_module_to_in_place() -> Iterator[None]:
         ...     layer.to(torch.float8_e4m3fn).weight is w                      # True
     """
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor
 
-    original = torch.nn.Module.to
-
-    def to(self, *args, **kwargs):
-        tensors = [*self.parameters(), *self.buffers()]
-        if not tensors or not any(isinstance(t, FakeTensor) for t in tensors):
-            return original(self, *args, **kwargs)
-        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    def cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
         with torch.no_grad():
-            for t in tensors:
-                if dtype is not None and t.dtype != dtype and (t.is_floating_point() or t.is_complex()):
+            for t in [*module.parameters(), *module.buffers()]:
+                if _casts(t, dtype):
                     t.data = t.to(dtype)
-        return self
 
-    torch.nn.Module.to = to
-    try:
+    with _fake_module_to(cast):
         yield
-    finally:
-        torch.nn.Module.to = original
 
 
 # --- CPU feature probes and the profiler ---------------------------------------------------------------------------
