@@ -142,6 +142,9 @@ SETTINGS = {
     "batch-2": dict(batch_size=2),
     "lora": dict(optimizations=[memkit.LoRA(rank=4)]),
     "dora-checkpointing": dict(optimizations=[memkit.LoRA(rank=4, dora=True), memkit.Checkpointing()]),
+    # a quantized base whose state is the parameters themselves (layerwise casting, torchao): spliced from the probe
+    "fp8-storage-lora": dict(optimizations=[memkit.Quantize(method="fp8-storage"), memkit.LoRA(rank=4)]),
+    "int8wo-lora": dict(optimizations=[memkit.Quantize(method="int8wo"), memkit.LoRA(rank=4)]),
 }
 
 
@@ -150,7 +153,8 @@ SETTINGS = {
 # list each) for the rest; `make test-extended` runs every other pair (~6 s each).
 FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "inference": "ltx-video",
                "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video",
-               "dora-checkpointing": "wan", "fused-backward": "wan", "grad-accum-2": "wan"}  # fmt: skip
+               "dora-checkpointing": "wan", "fused-backward": "wan", "grad-accum-2": "wan",
+               "int8wo-lora": "wan"}  # fmt: skip
 
 
 def _pairs_of(presets, settings, fast):
@@ -209,9 +213,16 @@ FSDP = {
 }
 
 
+# a batch of 2 is spliced in test_every_setting (in CI): under FSDP, in `make test-extended`
+_FSDP_TIER = {"fsdp-3-batch-2": pytest.mark.extended}
+
+
 @pytest.mark.parametrize(
     "case",
-    [c if c in ("fsdp-2", "fsdp-adam-3-steps") else pytest.param(c, marks=pytest.mark.slow) for c in sorted(FSDP)],
+    [
+        c if c in ("fsdp-2", "fsdp-adam-3-steps") else pytest.param(c, marks=_FSDP_TIER.get(c, pytest.mark.slow))
+        for c in sorted(FSDP)
+    ],
 )
 def test_fsdp(case):
     # FSDP's hooks gather each block's parameters before its forward, reshard after it, free the last gather's
@@ -290,7 +301,8 @@ def test_a_probe_that_does_not_split_falls_back(monkeypatch):
     "preset, kwargs",
     [
         ("flux", {}),
-        ("wan", dict(parallel=memkit.FSDP(world_size=8))),
+        # Wan under FSDP over 8 (~30 s): test_fsdp splices Wan's FSDP at a smaller depth in CI
+        pytest.param("wan", dict(parallel=memkit.FSDP(world_size=8)), marks=pytest.mark.extended),
         # the settings below are spliced at a smaller depth in test_every_setting (in CI); at full size, in
         # `make test-extended` (~20 s each)
         pytest.param("flux", dict(optimizations=[memkit.Checkpointing()]), marks=pytest.mark.extended),

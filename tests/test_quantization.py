@@ -359,8 +359,10 @@ def test_qlora_apply_step_remove_restores_the_model_bit_for_bit():
             assert torch.equal(memkit.step.model_output(model(**inputs)), before), method
 
 
-@pytest.mark.slow  # full Flux twice (spliced and every block); torchao's case in `make test-extended`
-@pytest.mark.parametrize("method", ["fp8-storage", pytest.param("int8wo", marks=pytest.mark.extended)])
+# full Flux twice (spliced and every block, ~25 s each case): in `make test-extended`; CI splices both methods at a
+# smaller depth (tests/test_memo.py::test_every_setting, "fp8-storage-lora" and "int8wo-lora")
+@pytest.mark.extended
+@pytest.mark.parametrize("method", ["fp8-storage", "int8wo"])
 def test_full_flux_memoized_estimate_equals_every_block(method):
     # layerwise casting and torchao keep their state in the parameters themselves: spliced from a probe of blocks
     # (bitsandbytes' quant states are tensors beside the parameters: its estimates run every block)

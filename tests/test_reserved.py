@@ -155,7 +155,9 @@ def test_timeline_figure_draws_reserved(tiny_cuda):
     assert "reserved" not in [t.name for t in timeline_figure(cpu).data]
 
 
-@pytest.mark.slow  # full Flux, every block: ~30 s
+# full Flux, every block (~30 s): in `make test-extended`; CI's tests/test_memo.py::test_full_size[flux-kwargs0]
+# holds the whole reserved series and baseline of the same pair equal
+@pytest.mark.extended
 def test_spliced_baseline_gives_the_reserved_of_every_block():
     # the memoized timeline's baseline blocks are the probe's, the middle block's repeated (_spliced_baseline)
     spliced = memkit.estimate("flux", progress=False)
