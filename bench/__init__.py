@@ -32,6 +32,7 @@ BENCHMARKS: tuple[str, ...] = (
     "estimate_speed",
     "snapshot_load",
     "caching_allocator",
+    "reserved",
     "ema",
     "feedforward",
     "checkpointing",

@@ -188,3 +188,26 @@ def test_the_readme_reserved_table_is_what_the_estimates_say(capsys):
         key = "steady_peak_reserved_bytes"
         shown = [plain["steady_peak_bytes"], plain[key], expandable[key]]
         assert [f"{b / 2**30:.2f}" for b in shown] == figures, row
+
+
+# diffusers PR #10611 (the gradient-checkpointing patterns PR, ../shared/seeds/): LTX-Video (1.9B) in bfloat16 on a
+# GPU, batch 1, 512x768 px, 81 frames, 128 text tokens, `output.mean().backward()` in a loop without an optimizer
+# after two warm-up iterations and `empty_cache()`; it printed torch.cuda.max_memory_reserved() / 1024**3 per
+# pattern. memkit's allocated peak sat 6-10% below these; its reserved estimate must meet them (the issue asks
+# within 10%; seen: within 0.5%, bench/RESULTS.md "reserved"). The patterns that checkpoint some blocks run every
+# block (~12 s each): in `make test-extended`.
+PR_10611 = {"none": 26.719, "every:4": 22.188, "every:2": 17.658, "all": 9.316}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pattern", [p if p in ("none", "all") else pytest.param(p, marks=pytest.mark.extended) for p in PR_10611]
+)
+def test_the_published_reserved_figures_of_pr_10611(pattern):
+    tl = memkit.estimate(
+        "ltx-video", dtype=torch.bfloat16, optimizer=None, steps=2, progress=False,
+        optimizations=[memkit.Checkpointing.parse(pattern)], height=512, width=768, frames=81, text_len=128,
+    )  # fmt: skip
+    assert tl.meta["measured"] == "steady"
+    assert tl.peak_reserved_bytes / 2**30 == pytest.approx(PR_10611[pattern], rel=0.02)
+    assert tl.peak_bytes < tl.peak_reserved_bytes  # the allocated peak alone would be what users compared before
