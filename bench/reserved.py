@@ -7,7 +7,13 @@ Part 1: published ``torch.cuda.max_memory_reserved()`` figures whose configurati
 512x768 px, 81 frames (4,224 tokens), 128 text tokens, ``output.mean().backward()`` in a loop without an
 optimizer (``steps=2``: the previous iteration's gradients are alive, as in the PR's timed loop after its warm-up
 and ``empty_cache()``), one row per checkpointing pattern. The PR prints ``max_memory_reserved() / 1024**3``
-("GB": GiB). ``tests/test_reserved.py`` holds the same rows within 2%.
+("GB": GiB). ``tests/test_reserved.py`` holds the same rows within 2%. And finetrainers' memory tables
+(a-r-r-o-w/finetrainers ``docs/training/{ltx_video,cogvideox,hunyuan_video}.md`` at c4d6c6c9): bf16, AdamW, batch
+1, gradient checkpointing, 49 frames (512x768; CogVideoX 480x720), latents and prompts precomputed, LoRA rank 128
+on to_q/to_k/to_v/to_out.0 or full fine-tuning; "after epoch 1"'s ``max_memory_reserved`` (peak stats reset before
+training) beside the estimate's steady step. Comparable where training starts with little cached memory (reserved
+minus allocated "before training start" under 2 GiB); the other rows are shown with the cached GiB they start
+with, "(n/c)": not comparable (``tests/test_lora.py`` holds the comparable rows within 5%).
 
 Part 2: the replay's cost. Each estimate above (and full Flux, the command line's default) is timed whole and in
 :func:`memkit.memory.reserved.replay_reserved`; the issue's target is a replay under 10% of an estimate's time.
@@ -34,6 +40,15 @@ PR_10611 = {  # diffusers PR #10611, LTX-Video on a GPU: torch.cuda.max_memory_r
     "all": 9.316,
 }
 PR_SIZES = {"height": 512, "width": 768, "frames": 81, "text_len": 128}
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+# (preset, recipe): ("after epoch 1" max_memory_reserved, "before training start" reserved - allocated), GiB
+FINETRAINERS = {
+    ("ltx-video", "full"): (20.357, 4.025 - 3.583),
+    ("ltx-video", "lora"): (10.916, 10.010 - 3.809),
+    ("cogvideox-5b", "full"): (52.939, 10.387 - 10.376),
+    ("cogvideox-5b", "lora"): (20.701, 20.701 - 10.622),
+    ("hunyuanvideo", "lora"): (42.387, 26.039 - 24.195),
+}
 
 
 class _Timed:
@@ -95,6 +110,30 @@ def run(quick: bool = False) -> Section:
         cost.append({"estimate": f"ltx-video {name}", "memoized": tl.meta["memoized"], "events": len(tl),
                      "estimate s": seconds, "replay s": replay, "replay share": f"{replay / seconds:.1%}"})  # fmt: skip
         log(f"  ltx-video {name}: {tl.peak_reserved_bytes / GiB:.2f} GiB reserved (PR {pr}) in {seconds:.1f} s")
+    trainers = []
+    for (preset, recipe), (pub, cached) in FINETRAINERS.items():
+        if quick and preset != "ltx-video":
+            continue
+        lora = [memkit.LoRA(rank=128, alpha=128, targets=ATTENTION)] if recipe == "lora" else []
+        tl = memkit.estimate(preset, optimizations=[*lora, memkit.Checkpointing()], progress=False)
+        comparable = cached < 2
+        trainers.append(
+            {
+                "run": f"{preset} {recipe}",
+                "finetrainers GiB (reserved)": pub,
+                "cached at start GiB": cached,
+                "memkit GiB (reserved)": tl.peak_reserved_bytes / GiB,
+                "Δ reserved": f"{tl.peak_reserved_bytes / GiB / pub - 1:+.1%}" + ("" if comparable else " (n/c)"),
+                "memkit GiB (allocated)": tl.peak_bytes / GiB,
+                "Δ allocated": f"{tl.peak_bytes / GiB / pub - 1:+.1%}",
+            }
+        )
+        log(f"  {preset} {recipe}: {tl.peak_reserved_bytes / GiB:.2f} GiB reserved (finetrainers {pub})")
+    worst_trainers = max(
+        abs(r["memkit GiB (reserved)"] / r["finetrainers GiB (reserved)"] - 1)
+        for r in trainers
+        if r["cached at start GiB"] < 2
+    )
     tl, seconds, replay = _estimate("flux")
     cost.append({"estimate": "flux (bf16 AdamW, first and steady)", "memoized": tl.meta["memoized"], "events": len(tl),
                  "estimate s": seconds, "replay s": replay, "replay share": f"{replay / seconds:.1%}"})  # fmt: skip
@@ -107,11 +146,15 @@ def run(quick: bool = False) -> Section:
         text=__doc__.split("\n", 1)[1],
         tables=[
             Table("LTX-Video, PR #10611's setup, steady step (step 2 of a loop, no optimizer), 'cuda'", published),
+            Table("finetrainers' training runs, 'after epoch 1' max_memory_reserved vs the steady step", trainers),
             Table("The caching-allocator replay's share of each estimate (seconds, this machine)", cost),
         ],
         notes=[
             f"Published reserved figures: worst |Δ| {worst:.1%} for memkit's reserved estimate (target: within 10%), "
             f"against {worst_alloc:.1%} for its allocated peak, which is what a user compared before.",
+            f"finetrainers: worst |Δ| {worst_trainers:.1%} over the runs that start with under 2 GiB cached; the "
+            "others start with the precomputing's cached segments, which training reuses and the estimate's fresh "
+            "allocator does not hold (the pipeline's phases are later work).",
             f"Replay cost: at most {share:.1%} of an estimate's time (target: under 10%).",
             "Not modelled and not in these figures: the CUDA context and cuBLAS/cuDNN workspaces outside the allocator "
             "(memkit.gpus subtracts them from a card's memory instead).",

@@ -296,9 +296,14 @@ def test_the_readme_lora_table_is_what_the_estimates_say(capsys):
 # torch.cuda.memory_allocated() / 1024**3 with the latents and prompts precomputed (only the transformer on the GPU):
 # "before training start" (the weights, and the adapters) and "after epoch 1" (weights, adapters and AdamW's two bf16
 # moments, the gradients freed). The resolutions (LTX-Video 49x512x768, CogVideoX 49x480x720, HunyuanVideo 49x512x768)
-# do not enter these two figures: the activations are gone by then. Not compared: max_memory_reserved (it needs the
-# caching allocator's model), the validation stages (a pipeline), HunyuanVideo's run without precomputation (its text
-# encoders on the GPU), and HunyuanVideo full fine-tuning (finetrainers: out of memory, no figures).
+# do not enter these two figures: the activations are gone by then. "after epoch 1"'s max_memory_reserved (peak
+# stats reset before training, so the training steps' reserved peak) is compared where training starts from an
+# allocator holding little cached memory ("before training start": reserved - allocated under 2 GiB): LTX-Video
+# full (4.025 - 3.583), CogVideoX-5b full (10.387 - 10.376), HunyuanVideo LoRA (26.039 - 24.195). Not there: the
+# LoRA runs of LTX-Video (10.010 reserved for 3.809 allocated) and CogVideoX-5b (20.701 for 10.622), whose training
+# reuses segments the precomputing left cached, which the estimate's fresh allocator does not hold. Not compared:
+# the validation stages (a pipeline), HunyuanVideo's run without precomputation (its text encoders on the GPU), and
+# HunyuanVideo full fine-tuning (finetrainers: out of memory, no figures).
 # After the step finetrainers holds 0.02-0.035 GiB more than memkit's weights + adapters + AdamW state in every run
 # (LTX-Video 0.021 LoRA and full, CogVideoX-5b 0.031 LoRA and 0.033 full, HunyuanVideo 0.035), whatever the optimizer's
 # size, and before training under 0.01 GiB more: something the step creates outside the transformer and its optimizer,
@@ -306,10 +311,10 @@ def test_the_readme_lora_table_is_what_the_estimates_say(capsys):
 # counted by memory_allocated()) is of that size; not checked on a GPU here. memkit is 0.1-0.5% under.
 FINETRAINERS = {
     ("ltx-video", "lora"): dict(trainable=117_440_512, before=3.809, after=4.26),
-    ("ltx-video", "full"): dict(trainable=1_923_385_472, before=3.583, after=10.769),
+    ("ltx-video", "full"): dict(trainable=1_923_385_472, before=3.583, after=10.769, reserved=20.357),
     ("cogvideox-5b", "lora"): dict(trainable=132_120_576, before=10.622, after=11.145),
-    ("cogvideox-5b", "full"): dict(trainable=5_570_283_072, before=10.376, after=31.160),
-    ("hunyuanvideo", "lora"): dict(trainable=163_577_856, before=24.195, after=24.83),  # "with precomputation"
+    ("cogvideox-5b", "full"): dict(trainable=5_570_283_072, before=10.376, after=31.160, reserved=52.939),
+    ("hunyuanvideo", "lora"): dict(trainable=163_577_856, before=24.195, after=24.83, reserved=42.387),  # precomputed
 }
 
 
@@ -337,3 +342,5 @@ def test_memory_matches_finetrainers_published_figures(preset, recipe):
     weights = after["parameter"] / 2**30
     assert abs(weights - want["before"]) / want["before"] < 0.05  # before training: the weights (and adapters)
     assert abs(sum(after.values()) / 2**30 - want["after"]) / want["after"] < 0.05
+    if "reserved" in want:  # seen within 1.3% (the issue asks 10%): the training steps' reserved peak
+        assert abs(tl.peak_reserved_bytes / 2**30 - want["reserved"]) / want["reserved"] < 0.05
