@@ -176,7 +176,9 @@ def timeline_figure(
     peak that no event reached (memory never rose above the baseline) is annotated as the baseline, with no time;
     the out-of-memory errors a snapshot's trace logged are dotted red lines on their device. A timeline with
     reserved bytes (a CUDA estimate: :attr:`Timeline.reserved_bytes`) adds a dotted ``reserved`` line above the
-    stack: the caching allocator's segments, what ``max_memory_reserved`` counts.
+    stack: the caching allocator's segments, what ``max_memory_reserved`` counts. One judged against a GPU
+    (``memkit.estimate(..., gpu="4090")``: ``meta["usable_bytes"]``) adds a dashed line at what that card's allocator
+    can reserve, the low end of its usable spread (what ``fits`` compares the reserved peak with), named for the card.
 
     Example:
         >>> with memkit.track(model, optimizer=opt, inputs=x) as tl:
@@ -245,6 +247,8 @@ def timeline_figure(
         fig.add_annotation(
             x=t_peak, y=peak / div, text=note, arrowhead=2, ax=40, ay=-36, bgcolor="rgba(255,255,255,0.85)", **where
         )
+    if timeline.meta.get("usable_bytes") and not split:
+        _capacity(fig, timeline.meta, (t_start, t_start + 1.0 if instant else t_end), div, unit)
     spans = _phase_spans(timeline) if show_phases else []
     if len({name for name, _, _ in spans}) > 1:
         first = {name: i for i, (name, _, _) in reversed(list(enumerate(spans)))}
@@ -283,6 +287,20 @@ def timeline_figure(
     if split:
         fig.update_layout(height=max(450, 260 * len(panels)))
     return fig
+
+
+def _capacity(fig: go.Figure, meta: dict, ends: tuple[float, float], div: int, unit: str) -> None:
+    """The judged card's usable bytes as a dashed line across the window, with its name and its spread."""
+    low, high = meta["usable_bytes"]
+    name = f"{meta.get('gpu_name') or meta.get('gpu')}: usable"
+    spread = f" (usable spread {_fmt(low / div, unit)} to {_fmt(high / div, unit)})" if high != low else ""
+    line = {"width": 1.5, "color": "#6a3d9a", "dash": "dash"}
+    x, y = np.array(ends, dtype=np.float32), np.array([low, low]) / div
+    hover = f"{_fmt(low / div, unit)}{spread}<extra>{name}</extra>"
+    fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines", line=line, hovertemplate=hover))
+    text = f"{name} {_fmt(low / div, unit)}"
+    fig.add_annotation(x=ends[1], y=low / div, text=text, showarrow=False, xanchor="right", yanchor="bottom",
+                       font={"color": line["color"], "size": 11})  # fmt: skip
 
 
 def segments_figure(timeline: Timeline, *, unit: Unit = "MiB") -> go.Figure:

@@ -269,3 +269,16 @@ def test_an_estimate_s_first_and_steady_step_are_marked():
     assert [s.x0 for s in steady_lines] == pytest.approx([float(tl.time[start])])
     one = memkit.estimate("dit", size="tiny", steps=2)  # one step measured: nothing to mark
     assert not any("steady step" in (a.text or "") for a in plots.timeline_figure(one).layout.annotations)
+
+
+def test_a_judged_estimate_draws_the_gpu_s_usable_bytes_and_an_unjudged_one_does_not():
+    tl = memkit.estimate("dit", size="tiny", gpu="1GiB")  # a size: its usable bytes are its total less the rest
+    low = memkit.gpus.find("1GiB").usable_bytes()[0]
+    fig = plots.timeline_figure(tl, unit="MiB")
+    line = [t for t in fig.data if t.name == "a 1GiB GPU: usable"]
+    assert len(line) == 1 and list(line[0].y) == [low / 2**20] * 2
+    assert line[0].x[0] == 0 and line[0].x[-1] == pytest.approx(float(tl.time[-1]))  # across the whole window
+    assert any(a.text.startswith("a 1GiB GPU: usable") for a in fig.layout.annotations)
+    assert "reserved" in {t.name for t in fig.data}
+    plain = plots.timeline_figure(memkit.estimate("dit", size="tiny"))
+    assert not any("usable" in (t.name or "") for t in plain.data)

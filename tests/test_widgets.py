@@ -639,3 +639,122 @@ def test_the_model_dropdown_lists_every_preset_grouped_image_then_video():
     video = {v for label, v in options if label.startswith("video")}
     assert video == {k for k, p in memkit.PRESETS.items() if "frames" in p.input_sizes["full"]}
     assert {"wan", "hunyuanvideo", "ltx-video"} <= video and "flux" not in video
+
+
+# ---- the GPU verdict --------------------------------------------------------------------------------------------
+GiB = 2**30
+
+
+def _judged_meta(gpu, peak, **meta):
+    """The meta of an estimate whose reserved peak is ``peak``, judged by memkit.gpus.judge against ``gpu``."""
+    tl = types.SimpleNamespace(peak_reserved_bytes=peak, meta={"measured": "first and steady", **meta})
+    memkit.gpus.judge(tl, memkit.gpus.find(gpu))
+    return tl.meta
+
+
+def test_the_verdict_says_which_card_which_step_and_which_bytes():
+    from memkit.widgets.verdict import verdict_text
+
+    low, high = memkit.gpus.find("4090").usable_bytes()
+    fits = _judged_meta("4090", low - 3 * GiB, first_step_peak_reserved_bytes=GiB, steady_peak_reserved_bytes=2 * GiB)
+    text = verdict_text(fits)
+    assert text.startswith("fits on NVIDIA GeForce RTX 4090: 3.00 GiB headroom (steady step, reserved bytes")
+    assert "torch's allocator defaults" in text and f"of {low / GiB:.2f}–{high / GiB:.2f} GiB usable" in text
+    short = _judged_meta(
+        "24GiB", 30 * GiB, measured="steady", steps=3, steady_peak_reserved_bytes=30 * GiB,
+        alloc_conf="expandable_segments:True",
+    )  # fmt: skip
+    card_low, card_high = memkit.gpus.find("24GiB").usable_bytes()
+    text = verdict_text(short)
+    gap = f"{(30 * GiB - card_high) / GiB:.2f}–{(30 * GiB - card_low) / GiB:.2f} GiB"
+    assert text.startswith(f"does not fit on a 24GiB GPU: short by {gap} (step 3, reserved bytes with expandable")
+    middle = _judged_meta("h100", (sum(memkit.gpus.find("h100").usable_bytes()) // 2), measured="inference")
+    assert verdict_text(middle).startswith("within the spread of NVIDIA H100 80GB HBM3: it may or may not fit")
+    assert "(inference pass, reserved bytes" in verdict_text(middle)
+    first = _judged_meta("t4", GiB, first_step_peak_reserved_bytes=GiB, steady_peak_reserved_bytes=GiB)
+    assert "(first = steady step," in verdict_text(first)
+    assert verdict_text({"measured": "first", "peak_reserved_bytes": GiB}) is None  # not judged: nothing to say
+
+
+def _playground(**settings):
+    return memkit.Playground(preset="dit", estimate_size="small", repeats=0, figures="widget", **settings)
+
+
+def _usable_lines(pg):
+    return [t for t in pg.live.figure.data if (t.name or "").endswith(": usable")]
+
+
+def test_the_gpu_menu_offers_the_catalog_and_its_card_reaches_the_estimate(monkeypatch):
+    pg = _playground()
+    options = pg.controls["gpu"].options
+    assert [key for _, key in options] == [None, *memkit.gpus.CATALOG]
+    assert [label for label, _ in options] == ["none", *(g.name for g in memkit.gpus.CATALOG.values())]
+    calls, real = [], memkit.estimation.estimate
+    monkeypatch.setattr(memkit.estimation, "estimate", lambda *a, **k: calls.append(k) or real(*a, **k))
+    memkit.estimation.clear_cache()
+    pg.controls["gpu"].value = "4090"
+    assert "press Estimate" in pg.verdict.value and "NVIDIA GeForce RTX 4090" in pg.verdict.value
+    result = pg.estimate(wait=True)
+    assert result.ok, result.message
+    assert [k["gpu"] for k in calls] == ["4090"]
+    tl = result.comparison.results["baseline"].timeline
+    low, high = memkit.gpus.find("4090").usable_bytes()
+    assert tl.peak_reserved_bytes < low  # a small DiT: far under a 4090's usable memory
+    assert tl.meta["fits"] is True and tl.meta["headroom_bytes"] == low - tl.peak_reserved_bytes
+    shown = html.unescape(pg.verdict.value)
+    headroom = f"{(low - tl.peak_reserved_bytes) / GiB:.2f} GiB headroom"
+    assert f"baseline</b>: fits on NVIDIA GeForce RTX 4090: {headroom}" in shown and "reserved bytes" in shown
+    # the timeline: the estimate's reserved line, and the card's usable bytes as a line named for it
+    names = [t.name for t in pg.live.figure.data]
+    assert "reserved" in names and "total" in names
+    (line,) = _usable_lines(pg)
+    unit = memkit.units.best_unit(low)
+    assert line.name == "NVIDIA GeForce RTX 4090: usable"
+    assert list(line.y) == pytest.approx([low / memkit.units.unit_scale(unit)] * 2)
+    # the estimate kept for memkit.estimate(preset) is not judged: the card was the Playground's question
+    assert "verdict" not in memkit.estimate("dit", size="small", progress=False).meta
+
+
+def test_a_card_too_small_does_not_fit_and_another_card_judges_the_same_peak_again(monkeypatch):
+    pg = _playground(gpu="0.5GiB")  # a size given in code joins the menu
+    assert pg.controls["gpu"].value == "0.5GiB"
+    result = pg.estimate(wait=True)
+    assert result.ok, result.message
+    tl = result.comparison.results["baseline"].timeline
+    low, high = memkit.gpus.find("0.5GiB").usable_bytes()
+    assert tl.peak_reserved_bytes > high  # short even at the spread's high end
+    shown = html.unescape(pg.verdict.value)
+    gap = f"{(tl.peak_reserved_bytes - high) / GiB:.2f}–{(tl.peak_reserved_bytes - low) / GiB:.2f} GiB"
+    assert f"does not fit on a 0.5GiB GPU: short by {gap}" in shown and "#c33" in pg.verdict.value
+    # another card: the same peaks judged again, no new estimate; none: no verdict, no capacity line
+    monkeypatch.setattr(memkit.estimation, "estimate", lambda *a, **k: pytest.fail("estimated again"))
+    pg.controls["gpu"].value = "h100"
+    assert tl.meta["gpu"] == "h100" and tl.meta["fits"] is True and "fits on NVIDIA H100" in pg.verdict.value
+    (line,) = _usable_lines(pg)
+    assert line.name == "NVIDIA H100 80GB HBM3: usable"
+    pg.controls["gpu"].value = None
+    assert pg.verdict.value == "" and not _usable_lines(pg) and "verdict" not in tl.meta
+    assert "reserved" in [t.name for t in pg.live.figure.data]  # the reserved line stays: it is the estimate's
+
+
+def test_the_allocator_settings_reach_the_estimate_and_a_bad_one_is_a_message():
+    pg = _playground()
+    assert pg.controls["alloc_conf"].value == "" and "expandable_segments:True" in pg.controls["alloc_conf"].options
+    pg.controls["alloc_conf"].value = "expandable_segments:Maybe"
+    result = pg.estimate(wait=True)  # does not raise
+    assert result.status == "error" and result.comparison is None
+    shown = html.unescape(pg.messages.value)
+    assert "ValueError" in shown and "'expandable_segments'" in shown and "Maybe" in shown and "Traceback" not in shown
+    assert not pg.estimate_button.disabled
+    pg.controls["alloc_conf"].value = "expandable_segments:True"
+    result = pg.estimate(wait=True)
+    assert result.ok, result.message
+    tl = result.comparison.results["baseline"].timeline
+    assert tl.meta["alloc_conf"] == "expandable_segments:True"
+    memkit.estimation.clear_cache()  # the library's own estimates, not the Playground's kept copies
+    expandable = memkit.estimate("dit", size="small", alloc_conf="expandable_segments:True", progress=False)
+    default = memkit.estimate("dit", size="small", progress=False)
+    assert tl.peak_reserved_bytes == expandable.peak_reserved_bytes != default.peak_reserved_bytes
+    state = _state(estimate_size="tiny", gpu="rtx9999")  # an unknown card: a message listing the known ones
+    result = state.estimate()
+    assert result.status == "error" and "unknown gpu 'rtx9999'" in result.message and "4090" in result.message

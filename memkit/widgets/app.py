@@ -4,10 +4,11 @@ The app is controls around a :class:`~memkit.widgets.state.PlaygroundState`: eve
 the state, the buttons call the state's ``run``/``estimate`` in a background thread (so Stop stays clickable),
 and the results come back as plain data that ``memkit.plots`` draws. No torch here.
 
-Layout, top to bottom: the model (preset, size, dtype, batch, input sizes, training or inference, optimizer);
-one panel per registered optimization; Run / Estimate / Stop with a progress bar; errors and warnings; the
-live timeline of the step being tracked; the comparison table (peak by category, time, Δoutput, Δgrad, pass)
-and the figure of peaks and overlaid timelines.
+Layout, top to bottom: the model (preset, size, dtype, batch, input sizes, training or inference, optimizer, the
+GPU and allocator settings an estimate is judged with); one panel per registered optimization; Run / Estimate /
+Stop with a progress bar; errors and warnings; the GPU verdict and the live timeline of the step being tracked
+(after an estimate, its last variant's, with the reserved line and the GPU's usable bytes); the comparison table
+(peak by category, time, Δoutput, Δgrad, pass) and the figure of peaks and overlaid timelines.
 
 Example:
     >>> pg = memkit.Playground(preset="flux")
@@ -25,18 +26,22 @@ from typing import Any, Literal
 
 import ipywidgets as widgets
 
-from .. import plots
+from .. import gpus, plots
 from ..optimizers import OPTIMIZERS
 from ..units import best_unit
 from .figures import FigureMode, figure_mode, make_figure
 from .panels import OptimizationPanel, set_tooltip
 from .state import DTYPES, INPUT_SIZES, VARIANT_MODES, PlaygroundState, RunResult
+from .verdict import gpu_options, rejudge, verdict_text
 
 __all__ = ["Playground"]
 
 _LABEL_WIDTH = "90px"
 # which training steps an estimate measures (PlaygroundState.steps)
 STEP_CHOICES = [("first + steady", None), ("first only", 1), ("step 2", 2), ("step 3", 3), ("step 5", 5)]
+# PYTORCH_CUDA_ALLOC_CONF offered by the allocator box (empty: torch's defaults; any other text may be typed)
+ALLOC_CONFS = ["expandable_segments:True", "max_split_size_mb:512", "garbage_collection_threshold:0.6"]
+_VERDICT_COLORS = {"fits": "#2a7", "does not fit": "#c33", "within the spread": "#b80"}
 _GRID = "repeat(auto-fill, minmax(260px, 1fr))"
 _TABLE_CSS = (
     "<style>.memkit-table table{border-collapse:collapse;font-size:0.85em}"
@@ -132,6 +137,14 @@ class Playground:
         )
         c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
         c["variants"] = widgets.ToggleButtons(options=list(VARIANT_MODES), value=s.variants, description="variants")
+        gpu_menu = gpu_options()
+        if s.gpu is not None and s.gpu not in [key for _, key in gpu_menu]:  # a size or an alias given in code
+            gpu_menu.append((s.gpu, s.gpu))
+        c["gpu"] = widgets.Dropdown(options=gpu_menu, value=s.gpu, description="GPU")
+        c["alloc_conf"] = widgets.Combobox(
+            value=s.alloc_conf, options=ALLOC_CONFS, ensure_option=False, placeholder="torch's defaults",
+            description="allocator",
+        )  # fmt: skip
         tips = {
             "preset": "a diffusers transformer (or the SD1.5 UNet) with random weights",
             "size": "Run builds this size for real: tiny (milliseconds), small (30-100M parameters, seconds)",
@@ -154,6 +167,10 @@ class Playground:
             "(torchao's offload_gradients); not with grad accum > 1",
             "repeats": "Run: untracked steps per variant timed for the 'step (s)' column (0: no timing)",
             "variants": "together: one variant with every enabled optimization; each: one variant per optimization",
+            "gpu": "Estimate: judge each variant's peak reserved bytes against this card's usable memory (its total as "
+            "torch reports it, less the CUDA context and cuBLAS workspace: memkit.gpus); a dashed line on the timeline",
+            "alloc_conf": "Estimate: the PYTORCH_CUDA_ALLOC_CONF the reserved bytes are replayed with; empty: torch's "
+            "defaults (expandable_segments:True shows what expandable segments save)",
         }
         for key in INPUT_SIZES:
             tips[key] = f"input {key.replace('_', ' ')}; empty: the preset's default at the size built"
@@ -176,6 +193,8 @@ class Playground:
             setattr(s, key, value)
         if key in ("preset", "size", "mode"):
             self._refresh_model_controls()
+        if key == "gpu":
+            self._rejudge()
 
     def _refresh_model_controls(self) -> None:
         s, c = self.state, self.controls
@@ -200,13 +219,14 @@ class Playground:
         self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="260px"))
         self.progress_text = widgets.Label(value="")
         self.messages = widgets.HTML()
+        self.verdict = widgets.HTML()
         self.table = widgets.HTML()
 
     def _layout(self) -> widgets.Widget:
         from ..optimizations import REGISTRY
 
         c = self.controls
-        order = ["preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "steps", "repeats"]
+        order = ["preset", "size", "dtype", "batch_size", *INPUT_SIZES, "mode", "steps", "repeats", "gpu", "alloc_conf"]
         grid = widgets.GridBox([c[k] for k in order], layout=widgets.Layout(grid_template_columns=_GRID))
         # Fine-tuning: the training recipe, and the registry's entries that change what is trained (LoRA)
         tuning = [n for n in self.panels if REGISTRY[n].section == "fine-tuning"]
@@ -240,6 +260,7 @@ class Playground:
                 actions,
                 self.messages,
                 heading("Live memory of the tracked step"),
+                self.verdict,
                 self.live.view,
                 heading("Comparison"),
                 self.table,
@@ -338,6 +359,9 @@ class Playground:
             self._say(w, "#b80")
         if result.ok:
             self._show_comparison(result)
+        if result.ok and result.kind == "estimate":
+            self._show_estimate_timeline(result)
+        self._show_verdict()
 
     def _show_comparison(self, result: RunResult) -> None:
         cmp = result.comparison
@@ -366,6 +390,49 @@ class Playground:
         if result.kind == "estimate":
             fig.update_layout(title=f"Estimate, {self.state.preset} ({self.state.estimate_size}): baseline vs variants")
         self.result_figure.show(fig)
+
+    # ---- the GPU verdict -------------------------------------------------------------------------------
+    def _estimated(self) -> RunResult | None:
+        r = self.last_result
+        return r if r is not None and r.ok and r.kind == "estimate" else None
+
+    def _show_estimate_timeline(self, result: RunResult) -> None:
+        """The estimate's last variant (the settings being tried; the baseline alone if none) as the timeline,
+        now with its reserved line and, judged, the GPU's usable bytes."""
+        name, last = list(result.comparison.results.items())[-1]
+        tl = last.timeline
+        usable = tl.meta.get("usable_bytes") or [0]
+        unit = best_unit(max(tl.peak_reserved_bytes or tl.peak_bytes, usable[0]))
+        title = f"Estimate, {name}: {self.state.preset} ({self.state.estimate_size}), allocated and reserved"
+        self.live.show(plots.timeline_figure(tl, title=title, unit=unit, max_points=1500))
+
+    def _rejudge(self) -> None:
+        """A new card for the estimate shown: the same peaks, judged again (no new estimate), and redrawn."""
+        result = self._estimated()
+        if result is not None and not self.state.running:
+            rejudge([r.timeline for r in result.comparison.results.values()], self.state.gpu)
+            self._show_estimate_timeline(result)
+        self._show_verdict()
+
+    def _show_verdict(self) -> None:
+        """One line per variant: fits / does not fit / within the spread of the chosen GPU (``verdict_text``)."""
+        s, result = self.state, self._estimated()
+        if s.gpu is None:
+            self.verdict.value = ""
+            return
+        lines = []
+        for name, r in result.comparison.results.items() if result is not None else ():
+            text = verdict_text(r.timeline.meta)
+            if text is not None:
+                color = _VERDICT_COLORS.get(r.timeline.meta["verdict"], "#333")
+                lines.append(f"<div style='color:{color}'><b>{html.escape(name)}</b>: {html.escape(text)}</div>")
+        if not lines:
+            card = gpus.CATALOG[s.gpu].name if s.gpu in gpus.CATALOG else s.gpu
+            lines = [
+                f"<div style='color:#555'>{html.escape(card)}: press Estimate full size for the verdict (it judges "
+                "an estimate's reserved bytes, the memory a GPU runs out of)</div>"
+            ]
+        self.verdict.value = f"<div style='font-size:0.9em;margin:2px 0 4px'>{''.join(lines)}</div>"
 
     def __repr__(self) -> str:
         return f"Playground({self.state!r}, figures={self.figure_mode!r})"

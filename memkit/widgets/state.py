@@ -5,7 +5,8 @@ inference, optimizer) and one :class:`OptimizationSettings` per registered optim
 objects from them (a :class:`memkit.Step`, the optimization configs, :class:`memkit.Variant` s) and runs them:
 :meth:`~PlaygroundState.run` compares the baseline with the variants on real tensors (:func:`memkit.compare`),
 :meth:`~PlaygroundState.estimate` the same settings at full size on fake tensors (:func:`memkit.estimate`; with the
-fsdp panel on, the memory of one GPU of a sharded run, which only an estimate gives: Run refuses it).
+fsdp panel on, the memory of one GPU of a sharded run, which only an estimate gives: Run refuses it), with the
+caching allocator's settings (``alloc_conf``) and judged against a GPU (``gpu``: :mod:`memkit.gpus`).
 Whatever goes wrong comes back as a :class:`RunResult` with a message, never as an exception; a stop request
 ends a run between two ops and leaves nothing behind. No widgets here: the app and the tests drive the same
 object.
@@ -102,6 +103,8 @@ class PlaygroundState:
         seed: int = 0,
         tolerance: float | None = None,
         estimate_size: Literal["tiny", "small", "full"] = "full",
+        gpu: str | None = None,
+        alloc_conf: str = "",
         interval: float = 0.5,
         registry: Mapping[str, Any] | None = None,
     ) -> None:
@@ -113,6 +116,8 @@ class PlaygroundState:
         self.optimizer_on, self.offload_gradients = optimizer_on, offload_gradients
         self.variants, self.seed, self.tolerance = variants, seed, tolerance
         self.estimate_size, self.interval = estimate_size, interval
+        self.gpu, self.alloc_conf = gpu, alloc_conf
+        """Estimate only: the card its reserved peak is judged against (None: none), the PYTORCH_CUDA_ALLOC_CONF."""
         self.sizes: dict[str, int | None] = dict.fromkeys(INPUT_SIZES)
         """Input sizes typed by the user; None: the preset's default at the size being built."""
         self.optimizations: dict[str, OptimizationSettings] = {
@@ -345,10 +350,17 @@ class PlaygroundState:
     def _estimate(self, progress: _Progress, stop: Callable[[], bool], live: _Live) -> Any:
         from ..comparison import Comparison
         from ..estimation import _cache_key, _lookup, _store, estimate
+        from ..gpus import find
+        from ..memory._allocator_config import parse_conf
         from ..models import load_model
         from ..parallel import split_parallel
+        from .verdict import GPU_KEYS, rejudge
 
         self._check()
+        gpu, conf = self.gpu, self.alloc_conf
+        parse_conf(conf)  # a bad option or an unknown card is a message naming it, before any step runs
+        if gpu is not None:
+            find(gpu)
         step, variants, dtype, sizes = self.step(), self.build_variants(), self._torch_dtype(), self.input_sizes()
         runs = {"baseline": (), **{name: v.optimizations for name, v in variants.items()}}
         progress.total = len(runs) * (step.runs + 1)
@@ -371,18 +383,21 @@ class PlaygroundState:
             key = _cache_key(
                 model=preset, inputs=None, step=step, optimizations=others, dtype=dtype, size=size,
                 batch_size=batch, device="cuda", seed=seed, parallel=parallel, sizes=sizes, memoize=True,
-                alloc_conf="",
+                alloc_conf=conf,
             )  # fmt: skip
             tl = _lookup(key, time.perf_counter())
             if tl is None:
                 tl = estimate(
                     model_fn, step=step, optimizations=others, dtype=dtype, batch_size=batch,
-                    seed=seed, progress=False, parallel=parallel, **sizes,
+                    seed=seed, progress=False, parallel=parallel, alloc_conf=conf, gpu=gpu, **sizes,
                 )  # fmt: skip
                 tl.meta.update(size=size)
-                _store(key, tl)
+                verdict = {k: tl.meta.pop(k) for k in GPU_KEYS if k in tl.meta}
+                _store(key, tl)  # unjudged, as estimate() keeps its own: memkit.estimate(preset) may be asked next
+                tl.meta.update(verdict)
             else:
                 progress.stage(f"{name}: estimated earlier in this session")
+                rejudge([tl], gpu)  # as estimate(gpu=) judges its own cached copies
             tl.meta.update(label=name)
             if tl.meta["cached"]:
                 live(tl)  # shown as a run's final state is
