@@ -2,18 +2,32 @@
 (:func:`memkit.memory.replay_trace`): the segments it makes must be the ones the GPU's allocator made, in the same
 order and sizes, at the same ``alloc``.
 
-A corpus of two public snapshots ships with the tests (``tests/data/allocator_traces.json.gz``, 30 KB): each one's
-segments and device-0 trace reduced to what the replay reads (``alloc``, ``free_completed`` and ``segment_alloc``
-entries: action, address, size, stream; no frames), written by memkit's safe snapshot reader:
-``JasperSolt/EoR_NN`` ``snapshot.pickle`` @ 10cd0b49 (7 segments made in the trace) and ``cranberrii/ftcourse``
-``memory_snapshot.pickle`` @ a8cedf28 (152, a LoRA fine-tune of CodeQwen). More can be replayed by setting
-``MEMKIT_ALLOCATOR_SNAPSHOTS`` to pickle paths (separated by ``os.pathsep``). Checked on 2026-11-26 with three more,
-all equal: ``kkaitlyn111/cs336-a2-systems`` ``cs336_systems/memory_logs/memory_ctx128_forward.pickle`` (178) and
-``memory_files/memory_ctx128_fullstep.pickle`` (783), ``memory_files/memory_ctx256_fullstep_.pickle`` (791) @
-c1272e18. None of them uses several streams or expandable segments: those rules are checked by hand-derived cases
-(tests/test_caching_allocator.py), and ``segment_map`` events by :func:`expandable_snapshot`, a snapshot written
-by hand (no public snapshot recorded with expandable segments was found), its entries derived from torch's
-``try_allocate_expandable_block`` and ``map_block``, not from the model.
+A corpus of five public snapshots ships with the tests (``tests/data/allocator_traces.json.gz``, 85 KB), each
+reduced to what the replay reads: the segments (device, address, size, stream, pool, expandable, each block's size
+and state), each device's trace cut to its ``alloc``, ``free_completed`` and ``segment_*`` entries (action,
+address, size, stream; no frames: trace indices are those of the reduced trace) and the allocator settings the
+replay reads. Segments made in the trace, by snapshot:
+
+- ``JasperSolt/EoR_NN`` ``snapshot.pickle`` @ 10cd0b49: 7 ``segment_alloc`` (device 0 kept; entries with ``time_us``);
+- ``cranberrii/ftcourse`` ``memory_snapshot.pickle`` @ a8cedf28: 152 (a LoRA fine-tune of CodeQwen; device 0 kept;
+  no ``time_us``, as torch 2.1 wrote);
+- ``Maphsge4/select_n`` ``snapshot.pickle`` @ 04d383cd: 584, with 579 ``segment_free`` (``empty_cache()`` between
+  steps), 131 older segments, one of them on a second stream; no ``time_us``;
+- ``Constructor-Sun/code_location`` ``memory_snapshot.pickle`` @ 52e52b22: ``expandable_segments:True`` (recorded
+  in ``allocator_settings``), three GPUs with 175, 40 and 78 ``segment_map``, 6 ``segment_unmap`` after an
+  out-of-memory error; every trace starts from an empty allocator;
+- ``MAGMA27/assignment2-systems`` ``memory_snapshot.pickle`` @ 15883f2b: the newest format (``user_metadata``,
+  ``graph_capture_record_stream_reuse``); its trace makes no segment, so what it checks is that the 216 older
+  segments are rebuilt and that the model makes none either.
+
+More can be replayed by setting ``MEMKIT_ALLOCATOR_SNAPSHOTS`` to pickle paths (separated by ``os.pathsep``).
+Checked on 2026-11-26 with four more, all equal: ``kkaitlyn111/cs336-a2-systems``
+``cs336_systems/memory_logs/memory_ctx128_forward.pickle`` (178) and ``memory_files/memory_ctx128_fullstep.pickle``
+(783), ``memory_files/memory_ctx256_fullstep_.pickle`` (791) @ c1272e18; ``Maphsge4/select_n`` ``snapshot.pickle``
+@ 1f2f5480 (13). No public snapshot found uses several streams for its requests: that rule is checked by
+hand-derived cases (tests/test_caching_allocator.py). Expandable segments are also checked by
+:func:`expandable_snapshot`, written by hand from torch's ``try_allocate_expandable_block`` and ``map_block``, not
+from the model, where each page mapped is known.
 """
 
 import copy
@@ -35,25 +49,40 @@ IDS = [s["source"].split()[0] for s in CORPUS]
 
 
 def segments_made(snapshot: dict, device: int = 0) -> list[int]:
-    """The sizes of the segments the real allocator made during the trace, read from the trace itself."""
+    """The sizes of the segments the real allocator made during a device's trace, read from the trace itself."""
     return [e["size"] for e in snapshot["device_traces"][device] if e["action"] in ("segment_alloc", "segment_map")]
 
 
+def traced(snapshot: dict) -> list[int]:
+    return [d for d, trace in enumerate(snapshot["device_traces"]) if trace]
+
+
 def check(snapshot: dict) -> None:
-    r = replay_trace(snapshot)[0]
-    real = segments_made(snapshot)
-    assert r.reason is None and r.start == "reconstructed"
-    assert [e.nbytes for e in r.events] == real and [e.model_bytes for e in r.events] == real
-    assert r.same and r.matched == r.total == len(real) > 0
-    # and after the trace the model holds the segments the snapshot lists, older ones included
-    assert Counter((s.pool, s.size) for s in r.model.segments) == Counter(
-        (s["segment_type"], s["total_size"]) for s in snapshot["segments"] if s["device"] == 0
-    )
+    replays = replay_trace(snapshot)
+    assert list(replays) == traced(snapshot)
+    for d, r in replays.items():
+        real = segments_made(snapshot, d)
+        assert r.reason is None
+        assert [e.nbytes for e in r.events] == real and [e.model_bytes for e in r.events] == real
+        assert r.same and r.matched == r.total == len(real)
+        # and after the trace the model holds the segments the snapshot lists, older ones included
+        assert Counter((s.pool, s.size, s.expandable) for s in r.model.segments) == Counter(
+            (s["segment_type"], s["total_size"], bool(s.get("is_expandable")))
+            for s in snapshot["segments"]
+            if s["device"] == d
+        )
 
 
 @pytest.mark.parametrize("snapshot", CORPUS, ids=IDS)
 def test_model_makes_the_segments_the_gpu_made(snapshot):
     check(snapshot)
+
+
+def test_the_corpus_holds_plain_and_expandable_segments_several_gpus_and_older_segments():
+    made = Counter(e["action"] for s in CORPUS for t in s["device_traces"] for e in t if "segment" in e["action"])
+    assert set(made) == {"segment_alloc", "segment_free", "segment_map", "segment_unmap"}
+    assert max(len(traced(s)) for s in CORPUS) == 3
+    assert {r.start for s in CORPUS for r in replay_trace(s).values()} == {"empty", "reconstructed"}
 
 
 @pytest.mark.skipif(not PATHS, reason="set MEMKIT_ALLOCATOR_SNAPSHOTS to snapshot pickles to replay")
@@ -62,15 +91,21 @@ def test_model_makes_the_segments_of_snapshots_given_by_path(path):
     check(load_snapshot(path))
 
 
+WITH_SEGMENTS = [s for s in CORPUS if segments_made(s)]
+WITH_SEGMENTS_IDS = [s["source"].split()[0] for s in WITH_SEGMENTS]
+
+
 def mutated(snapshot: dict, k: int = 2, by: int = 2 * MiB) -> tuple[dict, int]:
-    """A copy of ``snapshot`` whose ``k``-th segment_alloc is ``by`` bytes larger, and that entry's trace index."""
+    """A copy of ``snapshot`` whose ``k``-th segment made on device 0 is ``by`` bytes larger, and that entry's
+    trace index."""
     out = copy.deepcopy(snapshot)
-    index = [i for i, e in enumerate(out["device_traces"][0]) if e["action"] == "segment_alloc"][k]
-    out["device_traces"][0][index]["size"] += by
+    trace = out["device_traces"][0]
+    index = [i for i, e in enumerate(trace) if e["action"] in ("segment_alloc", "segment_map")][k]
+    trace[index]["size"] += by
     return out, index
 
 
-@pytest.mark.parametrize("snapshot", CORPUS, ids=IDS)
+@pytest.mark.parametrize("snapshot", WITH_SEGMENTS, ids=WITH_SEGMENTS_IDS)
 def test_a_changed_segment_is_the_one_event_that_differs(snapshot):
     changed, index = mutated(snapshot)
     r = replay_trace(changed)[0]

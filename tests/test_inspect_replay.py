@@ -1,6 +1,6 @@
 """``memkit inspect FILE --replay``: each segment a real snapshot's allocator made, beside the model's.
 
-The snapshots are the corpus of tests/test_caching_allocator_real.py (two public snapshots, their sources in that
+The snapshots are the corpus of tests/test_caching_allocator_real.py (five public snapshots, their sources in that
 file's docstring) and its hand-written expandable-segments snapshot; the counts expected are read from the corpus's
 traces, not from the command's output.
 """
@@ -12,7 +12,16 @@ import subprocess
 import sys
 
 import pytest
-from test_caching_allocator_real import CORPUS, IDS, expandable_snapshot, mutated, segments_made
+from test_caching_allocator_real import (
+    CORPUS,
+    IDS,
+    WITH_SEGMENTS,
+    WITH_SEGMENTS_IDS,
+    expandable_snapshot,
+    mutated,
+    segments_made,
+    traced,
+)
 
 from memkit.cli import main
 
@@ -35,26 +44,33 @@ def _row(out: str, index: int) -> str:
 
 @pytest.mark.parametrize("snapshot", CORPUS, ids=IDS)
 def test_the_corpus_replays_all_the_same(capsys, tmp_path, snapshot):
-    path, n = _write(tmp_path / "s.pickle", snapshot), len(segments_made(snapshot))
+    path = _write(tmp_path / "s.pickle", snapshot)
+    made = {d: segments_made(snapshot, d) for d in traced(snapshot)}
     code, out, err = _run(capsys, "inspect", path, "--replay")
     assert code == 0, err
-    assert out.rstrip().endswith(f"device 0: {n} of {n} segments the same")
-    assert out.count("segment_alloc") == n and "NO" not in out
+    summaries = [line for line in out.splitlines() if re.match(r"device \d+: \d+ of", line)]
+    assert summaries == [f"device {d}: {len(n)} of {len(n)} segments the same" for d, n in made.items()]
+    assert sum(line.endswith("  yes") for line in out.splitlines()) == sum(map(len, made.values()))
+    assert "NO" not in out
     code, out, _ = _run(capsys, "inspect", path, "--replay", "--json")
-    device = json.loads(out)["devices"]["0"]
-    assert code == 0 and device["matched"] == device["total"] == n and device["start"] == "reconstructed"
-    real, model = ([e[key] for e in device["events"]] for key in ("bytes", "model_bytes"))
-    assert real == model == segments_made(snapshot)
+    devices = json.loads(out)["devices"]
+    assert code == 0 and list(devices) == [str(d) for d in made]
+    for d, sizes in made.items():
+        device = devices[str(d)]
+        assert device["matched"] == device["total"] == len(sizes) and device["reason"] is None
+        real, model = ([e[key] for e in device["events"]] for key in ("bytes", "model_bytes"))
+        assert real == model == sizes
 
 
-@pytest.mark.parametrize("snapshot", CORPUS, ids=IDS)
+@pytest.mark.parametrize("snapshot", WITH_SEGMENTS, ids=WITH_SEGMENTS_IDS)
 def test_a_changed_segment_exits_1_and_marks_its_row(capsys, tmp_path, snapshot):
     changed, index = mutated(snapshot)
     path, n = _write(tmp_path / "s.pickle", changed), len(segments_made(snapshot))
     code, out, _ = _run(capsys, "inspect", path, "--replay")
     assert code == 1
-    assert _row(out, index).rstrip().endswith("NO")
-    assert sum(line.rstrip().endswith("yes") for line in out.splitlines()) == n - 1
+    device_0 = out[: out.index("device 0: ", out.index("device 0: ") + 1)]  # device 0's header to its summary
+    assert _row(device_0, index).rstrip().endswith("NO")
+    assert sum(line.rstrip().endswith("yes") for line in device_0.splitlines()) == n - 1
     assert f"device 0: {n - 1} of {n} segments the same" in out
     code, out, _ = _run(capsys, "inspect", path, "--replay", "--json")
     data = json.loads(out)
