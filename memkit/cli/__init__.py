@@ -269,9 +269,12 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
             "events, devices, baseline (what was live before the trace began), peak (bytes) and when it happened "
             "(seconds, or the event index when the trace has no times), each GPU's own peak (a total over several "
             "GPUs says so), out-of-memory errors, the allocator's segments by block state, and the N largest "
-            "allocations live at each peak. A snapshot records no categories: its bytes are 'unknown'."
+            "allocations live at each peak. A snapshot records no categories: its bytes are 'unknown'. --replay "
+            "instead replays the trace through memkit's caching-allocator model and checks that it makes the segments "
+            "the GPU's allocator made."
         ),
-        epilog="examples:\n  memkit inspect snapshot.pickle\n  memkit inspect snapshot.pickle --top 20 --html t.html",
+        epilog="examples:\n  memkit inspect snapshot.pickle\n  memkit inspect snapshot.pickle --top 20 --html t.html\n"
+        "  memkit inspect snapshot.pickle --replay   # exit status 0 when the model made every segment alike",
         formatter_class=_Formatter,
     )
     p.add_argument("snapshot", metavar="SNAPSHOT.pickle", help="snapshot file")
@@ -283,6 +286,17 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--json", action="store_true", help="print the summary as JSON instead (bytes; seconds, or events: time_unit)"
+    )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="replay the trace through memkit's caching-allocator model and list, per GPU, each segment the real "
+        "allocator made (segment_alloc, segment_map) beside the model's; exit status 1 when any differs",
+    )
+    p.add_argument(
+        "--alloc-conf",
+        metavar="CONF",
+        help="PYTORCH_CUDA_ALLOC_CONF for --replay (default: the one the snapshot recorded, else torch's defaults)",
     )
     p.set_defaults(run=_runner("inspect"))
 

@@ -22,6 +22,10 @@ def run(args: argparse.Namespace) -> int:
     """``memkit inspect``: summary, peaks (per device), segments and top allocations of a snapshot."""
     from ..memory.snapshot import SnapshotError, read_snapshot
 
+    if args.replay:
+        return _replay(args)
+    if args.alloc_conf is not None:
+        raise CLIError("--alloc-conf is for --replay")
     if args.top < 1:
         raise CLIError(f"--top must be >= 1, got {args.top}")
     check_writable(args.html)
@@ -220,6 +224,103 @@ def _json(timeline, parts: dict, n: int) -> dict[str, Any]:
         if key in meta:
             summary[key] = meta[key]
     return summary
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """``--replay``: per device, each segment the real allocator made beside the model's; 0 when all alike."""
+    from ..memory.snapshot import SnapshotError, load_snapshot
+    from ..memory.trace_replay import recorded_alloc_conf, replay_trace
+
+    if args.html:
+        raise CLIError("--html draws the timeline: it does not go with --replay")
+    try:
+        data = load_snapshot(args.snapshot)
+    except FileNotFoundError:
+        raise CLIError(f"no such file: {args.snapshot}") from None
+    except (SnapshotError, IsADirectoryError, PermissionError) as e:
+        raise CLIError(str(e)) from None
+    try:
+        replays = replay_trace(data, args.alloc_conf)
+    except ValueError as e:  # no trace, or a conf the model refuses
+        raise CLIError(str(e)) from None
+    same = all(r.same for r in replays.values())
+    if args.json:
+        devices = {str(d): _replay_json(r) for d, r in replays.items()}
+        print(json.dumps({"snapshot": str(args.snapshot), "same": same, "devices": devices}, indent=2))
+        return 0 if same else 1
+    conf = next(iter(replays.values())).alloc_conf
+    whence = ", from --alloc-conf" if args.alloc_conf is not None else ", recorded" if recorded_alloc_conf(data) else ""
+    print(f"memkit inspect --replay: {args.snapshot}")
+    print(f"  alloc conf: {repr(conf) if conf else 'none (torch defaults)'}{whence}")
+    for d, r in replays.items():
+        start = {
+            "empty": "starts from an empty allocator",
+            "reconstructed": f"starts with {r.older_segments} older segment(s), rebuilt from the snapshot first",
+            "not replayed": "starts from a state that cannot be rebuilt",
+        }
+        print(f"\ndevice {d}: the trace {start[r.start]}")
+        if r.reason:
+            print(f"  not replayed: {r.reason}")
+        elif r.events:
+            rows = [(str(e.index), e.action or e.model_action, _size(e.nbytes), _model(e), _yes(e)) for e in r.events]
+            _print_columns(("event", "action", "real", "model", "same?"), rows, right=(0, 2, 3))
+        print(_replay_summary(d, r))
+    return 0 if same else 1
+
+
+def _size(nbytes: int | None) -> str:
+    return "-" if nbytes is None else format_bytes(nbytes)
+
+
+def _model(e) -> str:
+    """The model's segment; its action too where it is not the real one (a plain segment for a mapped page)."""
+    kind = e.action is not None and e.model_action is not None and e.model_action != e.action
+    return _size(e.model_bytes) + (f" ({e.model_action})" if kind else "")
+
+
+def _yes(e) -> str:
+    if e.same:
+        return "yes"
+    return "NO (model only)" if e.action is None else "NO (none)" if e.model_bytes is None else "NO"
+
+
+def _replay_summary(device: int, r) -> str:
+    text = f"device {device}: {r.matched} of {r.total} segments the same"
+    extra = sum(e.action is None for e in r.events)
+    if extra:
+        text += f", {extra} more made by the model alone"
+    return text + ("" if r.reason is None else " (not replayed)")
+
+
+def _print_columns(header: tuple[str, ...], rows: list[tuple[str, ...]], right: tuple[int, ...]) -> None:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        cells = [f"{c:>{w}}" if i in right else f"{c:<{w}}" for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        print("  " + "  ".join(cells).rstrip())
+
+
+def _replay_json(r) -> dict[str, Any]:
+    return {
+        "start": r.start,
+        "older_segments": r.older_segments,
+        "alloc_conf": r.alloc_conf,
+        "reason": r.reason,
+        "matched": r.matched,
+        "total": r.total,
+        "same": r.same,
+        "events": [
+            {
+                "index": e.index,
+                "action": e.action,
+                "bytes": e.nbytes,
+                "stream": e.stream,
+                "model_action": e.model_action,
+                "model_bytes": e.model_bytes,
+                "same": e.same,
+            }
+            for e in r.events
+        ],
+    }
 
 
 def _write_html(timeline, args: argparse.Namespace) -> None:

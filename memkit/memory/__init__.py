@@ -1,5 +1,6 @@
 """Measurement only: the event schema, the Timeline, the live-storage tracker, kernel-internal buffers, CUDA
-allocator history, a model of the CUDA caching allocator, and snapshots read and written safely.
+allocator history, a model of the CUDA caching allocator (and a real trace replayed through it), and snapshots read
+and written safely.
 
 The Timeline and the schema need only numpy; the tracker, CUDA history and snapshots are imported on first use.
 
@@ -28,8 +29,10 @@ _EXPORTS = {
     "SnapshotError": ".snapshot",
     "load_snapshot": ".snapshot",
     "read_snapshot": ".snapshot",
+    "DeviceReplay": ".trace_replay",
     "ReservedReplay": ".reserved",
     "replay_reserved": ".reserved",
+    "replay_trace": ".trace_replay",
     "RSSSamples": ".rss",
     "rss_bytes": ".rss",
     "sample_rss": ".rss",
@@ -52,6 +55,7 @@ __all__ = [
     "CudaHistory",
     "CudaHistoryError",
     "DeviceOutOfMemoryError",
+    "DeviceReplay",
     "PHASES",
     "RSSSamples",
     "ReservedReplay",
@@ -70,6 +74,7 @@ __all__ = [
     "record_cuda_history",
     "released",
     "replay_reserved",
+    "replay_trace",
     "rss_bytes",
     "sample_rss",
     "tag",
@@ -87,6 +92,7 @@ if TYPE_CHECKING:
     from .rss import RSSSamples, rss_bytes, sample_rss
     from .snapshot import SnapshotError, load_snapshot, read_snapshot
     from .snapshot_write import write_snapshot
+    from .trace_replay import DeviceReplay, replay_trace
     from .tracker import Tracker, host_state, off_device
 
 
