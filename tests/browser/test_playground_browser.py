@@ -348,6 +348,21 @@ def _check_the_app(page, tmp_path: Path) -> None:
     assert [v.strip() for v in variants if v.strip()] == ["baseline", f"checkpointing:{PATTERN}"]
     assert app.locator(".memkit-table").inner_text().count("✓ pass") == 2  # outputs and gradients as the baseline
 
+    # A GPU chosen in its menu, then Estimate: the verdict lands beside the timeline, which gains the card's usable
+    # bytes as a line (the kernel side is tests/test_widgets.py; here, that the page shows it)
+    card = "NVIDIA GeForce RTX 4090"
+    app.locator("select").filter(has=page.locator("option", has_text=card)).select_option(label=card)
+    app.locator("button.widget-button").filter(has_text="Estimate").click()
+    verdicts = app.get_by_text(f"fits on {card}")
+    verdicts.first.wait_for(timeout=240_000)
+    assert verdicts.count() == 2  # one a variant: the baseline and the checkpointed one
+    assert all("reserved bytes" in v for v in verdicts.all_inner_texts())
+    page.wait_for_function(
+        "([gd, name]) => gd.data && gd.data.some(t => t.name === name)",
+        arg=[live.element_handle(), f"{card}: usable"],
+        timeout=60_000,
+    )
+
     table = app.locator(".memkit-table")  # every column in view, none behind a scroll bar
     assert table.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), table.evaluate(
         "el => [el.scrollWidth, el.clientWidth]"
