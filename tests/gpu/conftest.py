@@ -1,10 +1,10 @@
 """The GPU suite (``make test-gpu``): memkit's figures held against the CUDA caching allocator's own counters on a
 real device.
 
-Without CUDA each module here is collected as one skipped item and never imported, so ``make test`` on a CPU
-machine pays nothing and ``pytest -rs`` folds the skips into one line saying why. ``MEMKIT_GPU_COLLECT=1`` imports
-and collects them anyway: ``MEMKIT_GPU_COLLECT=1 pytest tests/gpu --collect-only`` checks on a CPU machine that they
-collect (running them there fails: they need the device).
+Without CUDA no module here is imported (``make test`` on a CPU machine pays nothing): the first one collected
+holds a single skipped item, the others none, so ``pytest -v`` and ``-rs`` show one line saying why.
+``MEMKIT_GPU_COLLECT=1`` imports and collects them anyway: ``MEMKIT_GPU_COLLECT=1 pytest tests/gpu --collect-only``
+checks on a CPU machine that they collect (running them there fails: they need the device).
 
 Each test hands its figures to the ``gpu_record`` fixture: one JSON line per pair (memkit's figure, the GPU's) in
 ``bench/gpu_results/<UTC time>.jsonl`` (gitignored), with the GPU, the torch, CUDA and diffusers versions and the
@@ -24,17 +24,22 @@ import pytest
 import torch
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "gpu_results"
-WHY = "tests/gpu: no CUDA device (torch.cuda.is_available() is False)"
+_BUILD = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no device visible"
+WHY = f"tests/gpu: no CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, {_BUILD})"
 SKIPPED = not torch.cuda.is_available() and os.environ.get("MEMKIT_GPU_COLLECT") != "1"
+_SHOWN = pytest.StashKey[bool]()
 
 
 class _NoCuda(pytest.Item):
     def runtest(self):
-        pytest.skip(WHY)  # one place raises it: -rs folds every module's skip into one line
+        pytest.skip(WHY)
 
 
 class _Unimported(pytest.Module):
     def collect(self):
+        if self.session.stash.get(_SHOWN, False):
+            return []
+        self.session.stash[_SHOWN] = True
         return [_NoCuda.from_parent(self, name="no_cuda")]
 
 
