@@ -77,6 +77,7 @@ def _machine() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "diffusers": diffusers.__version__,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or "",
     }
 
 
