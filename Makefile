@@ -65,6 +65,15 @@ test-fast: $(STAMP)
 test-extended: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m extended -n $(TEST_WORKERS) --durations=15
 
+# The GPU suite (tests/gpu, bench/GPU.md): a tracked step, the allocator model and every preset's small estimate held
+# against a CUDA device's own counters, in one process; then bench/gpu_report.py writes the figures into bench/GPU.md
+# (skipped when the run wrote none). On a machine without CUDA every test is skipped, with one line saying why
+# (`make test` collects tests/gpu too, at no cost, for the same line).
+.PHONY: test-gpu
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider tests/gpu -n 0 -v -rs; status=$$?; \
+	if ls bench/gpu_results/*.jsonl > /dev/null 2>&1; then $(BIN)/python -m bench.gpu_report; fi; exit $$status
+
 # Line coverage of memkit by the unit tests (pytest-cov; the missed lines listed). Slower than `make test`'s run.
 .PHONY: coverage
 coverage: $(STAMP)
