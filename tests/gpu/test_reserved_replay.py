@@ -4,14 +4,16 @@ read from the allocator's history: it makes the segments the GPU made and ends w
 so the peak is the end).
 
 The window is the model's build and two training steps, from a cache emptied of free segments; what was allocated
-before it (the cuBLAS workspaces :func:`warm_up` made) is laid out from the snapshot's segments by the replay of
-``tests/test_caching_allocator_real.py``, the one that holds the model against public snapshots.
+before it (the cuBLAS workspaces :func:`warm_up` made) is laid out from the snapshot's segments by
+:func:`memkit.memory.replay_trace`, the replay ``tests/test_caching_allocator_real.py`` holds against public
+snapshots (and ``memkit inspect FILE --replay`` prints).
 """
 
 import pytest
 import torch
 from _cuda_run import ALLOC_CONF, build, run_steps, warm_up
-from test_caching_allocator_real import replay
+
+from memkit.memory import replay_trace
 
 PRESET = "flux"
 MAX_ENTRIES = 2_000_000  # the trace is a ring buffer: a full one has lost the window's start
@@ -40,14 +42,16 @@ def test_the_allocator_model_replays_a_real_step_to_the_reserved_byte(gpu_record
     del model, inputs, runner
     trace = snapshot["device_traces"][device]
     assert 0 < len(trace) < MAX_ENTRIES
-    allocator, real_segments, model_segments = replay(snapshot, device)
+    replayed = replay_trace(snapshot, alloc_conf="")[device]
+    assert replayed.reason is None, replayed.reason
+    allocator = replayed.model
     gpu_record(
         PRESET,
         "allocator model on the step's own trace (build + 2 steps): allocated at the end, reserved peak",
         allocated=(allocator.allocated_bytes, real["allocated"]),
         reserved=(allocator.max_reserved_bytes, real["max_reserved"]),
     )
-    assert model_segments == real_segments
+    assert replayed.same, [e for e in replayed.events if not e.same][:5]  # every segment the GPU made, alike
     assert allocator.max_reserved_bytes == real["max_reserved"]
     assert allocator.reserved_bytes == real["reserved"]
     assert allocator.allocated_bytes == real["allocated"]
