@@ -213,8 +213,9 @@ FSDP = {
 }
 
 
-# a batch of 2 is spliced in test_every_setting (in CI): under FSDP, in `make test-extended`
-_FSDP_TIER = {"fsdp-3-batch-2": pytest.mark.extended}
+# a batch of 2 is spliced in test_every_setting (in CI), FSDP with checkpointing in fsdp-adam-3-steps: these two
+# under FSDP in `make test-extended` (~15 s each)
+_FSDP_TIER = {"fsdp-3-batch-2": pytest.mark.extended, "fsdp-4-checkpointing": pytest.mark.extended}
 
 
 @pytest.mark.parametrize(
