@@ -318,3 +318,17 @@ def test_codes_out_of_range_and_indices_out_of_bounds_are_refused():
             tl.top_allocations(at=at)
         with pytest.raises(IndexError, match="index must be in"):
             tl.bytes_by_category_at(at)
+
+
+def test_peak_step_names_the_step_each_peak_is_in():
+    from memkit.memory.timeline import peak_step
+
+    both = {"measured": "first and steady", "first_step_peak_bytes": 3, "steady_peak_bytes": 5,
+            "first_step_peak_reserved_bytes": 9, "steady_peak_reserved_bytes": 8}  # fmt: skip
+    assert peak_step(both) == "steady step"  # allocated: the steady one is larger
+    assert peak_step(both, reserved=True) == "first step"  # reserved: the first one is
+    assert peak_step({**both, "steady_peak_bytes": 3}) == "first = steady step"
+    assert peak_step({"measured": "first and steady"}) == "first and steady steps"  # peaks not given
+    assert peak_step({"measured": "steady", "steps": 3}) == "step 3"
+    assert peak_step({"measured": "first", "steps": 1}) == "first step"
+    assert peak_step({"measured": "inference"}) == "inference pass"

@@ -10,6 +10,7 @@ import sys
 import memkit
 
 from .._torch_compat import TorchVersionError
+from ..memory.timeline import peak_step
 from ..optimizers import MissingLibraryError
 from ..parallel import split_parallel
 from ..units import UNITS, best_unit, parse_bytes
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         ("parameters", fmt_count(meta["parameters"])),
         *([("  trainable", fmt_count(meta["trainable_parameters"]))] if meta.get("trainable_parameters") else []),
         (f"baseline ({args.unit})", f"{timeline.baseline_bytes / div:{num}}"),
-        (f"peak ({args.unit}, {_which(meta)})", f"{timeline.peak_bytes / div:{num}}"),
+        (f"peak ({args.unit}, {peak_step(meta)})", f"{timeline.peak_bytes / div:{num}}"),
     ]
     if meta["measured"] == "first and steady":
         rows += [
@@ -265,7 +266,10 @@ def run(args: argparse.Namespace) -> int:
         ]
     if meta.get("peak_reserved_bytes") is not None:
         rows.append(
-            (f"peak reserved ({args.unit}, {_which(meta, 'reserved_')})", f"{meta['peak_reserved_bytes'] / div:{num}}")
+            (
+                f"peak reserved ({args.unit}, {peak_step(meta, reserved=True)})",
+                f"{meta['peak_reserved_bytes'] / div:{num}}",
+            )
         )
         if meta["measured"] == "first and steady":
             rows += [
@@ -305,17 +309,5 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.gpu is not None:
         verdict = memkit.gpus.verdict(meta["peak_reserved_bytes"], memkit.gpus.find(args.gpu))
-        print(f"\nGPU: {verdict.describe()}")
+        print(f"\nGPU: {verdict.describe()} ({peak_step(meta, reserved=True)})")
     return status
-
-
-def _which(meta: dict, kind: str = "") -> str:
-    """Which step the peak is, in words: the larger of the two, or the one measured (``kind="reserved_"``: of the
-    reserved peaks)."""
-    measured = meta["measured"]
-    if measured == "first and steady":
-        first, steady = meta[f"first_step_peak_{kind}bytes"], meta[f"steady_peak_{kind}bytes"]
-        return "steady step" if steady > first else "first step" if first > steady else "first = steady step"
-    if measured in ("first", "steady"):
-        return f"{measured} step (of --steps {meta['steps']})"
-    return "inference pass"

@@ -444,3 +444,26 @@ class Timeline(_Reserved):
             f"{head}events={len(self)}, baseline={format_bytes(self.baseline_bytes)}, "
             f"peak={format_bytes(self.peak_bytes)})"
         )
+
+
+def peak_step(meta: Mapping[str, Any], *, reserved: bool = False) -> str:
+    """Which step an estimate's peak is in, in words, from its ``meta``: with both steps measured, the larger one's
+    (``"steady step"``, ``"first step"``, or ``"first = steady step"``), else the one measured (``"first step"``,
+    ``"step N"``: the last of ``steps=N``) or ``"inference pass"``. ``reserved``: of the reserved peaks.
+
+    Example:
+        >>> peak_step(memkit.estimate("flux").meta)
+        'first = steady step'
+    """
+    measured = meta.get("measured")
+    if measured == "first and steady":
+        kind = "reserved_" if reserved else ""
+        first, steady = meta.get(f"first_step_peak_{kind}bytes"), meta.get(f"steady_peak_{kind}bytes")
+        if first is None or steady is None:
+            return "first and steady steps"
+        return "steady step" if steady > first else "first step" if first > steady else "first = steady step"
+    if measured == "first":
+        return "first step"
+    if measured == "steady":
+        return f"step {meta.get('steps')}"
+    return "inference pass"

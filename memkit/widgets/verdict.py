@@ -16,8 +16,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import gpus
+from ..memory.timeline import peak_step
 
-__all__ = ["GPU_KEYS", "gpu_options", "rejudge", "verdict_text", "which_step"]
+__all__ = ["GPU_KEYS", "gpu_options", "rejudge", "verdict_text"]
 
 GPU_KEYS = ("gpu", "gpu_name", "usable_bytes", "fits", "verdict", "headroom_bytes")
 """What :func:`memkit.gpus.judge` writes into a timeline's ``meta``."""
@@ -40,21 +41,6 @@ def rejudge(timelines: Iterable[Any], gpu: str | None) -> None:
             tl.meta.pop(key, None)
         if card is not None:
             gpus.judge(tl, card)
-
-
-def which_step(meta: Mapping[str, Any]) -> str:
-    """The step the reserved peak is in, in words (``meta["measured"]`` and each step's reserved peak)."""
-    measured = meta.get("measured")
-    if measured == "first and steady":
-        first, steady = meta.get("first_step_peak_reserved_bytes"), meta.get("steady_peak_reserved_bytes")
-        if first is None or steady is None:
-            return "first and steady steps"
-        return "steady step" if steady > first else "first step" if first > steady else "first = steady step"
-    if measured == "first":
-        return "first step"
-    if measured == "steady":
-        return f"step {meta.get('steps')}"
-    return "inference pass"
 
 
 def _gib(low: float, high: float | None = None) -> str:
@@ -86,4 +72,4 @@ def verdict_text(meta: Mapping[str, Any]) -> str | None:
         head = f"within the spread of {name}: it may or may not fit"
     conf = meta.get("alloc_conf") or ""
     bytes_ = "reserved bytes" + (f" with {conf}" if conf else ", torch's allocator defaults")
-    return f"{head} ({which_step(meta)}, {bytes_}: peak {_gib(peak)} of {_gib(low, high)} usable)"
+    return f"{head} ({peak_step(meta, reserved=True)}, {bytes_}: peak {_gib(peak)} of {_gib(low, high)} usable)"
