@@ -20,9 +20,10 @@ The tolerances are first guesses, to be narrowed once ``bench/GPU.md`` holds a r
 
 import pytest
 import torch
-from _cuda_run import ALLOC_CONF, build, run_steps, settle, warm_up
 
 import memkit
+
+from ._cuda_run import ALLOC_CONF, build, run_steps, settle, warm_up
 
 ALLOCATED_TOLERANCE = 0.05
 RESERVED_TOLERANCE = 0.10

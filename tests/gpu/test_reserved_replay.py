@@ -11,9 +11,10 @@ snapshots (and ``memkit inspect FILE --replay`` prints).
 
 import pytest
 import torch
-from _cuda_run import ALLOC_CONF, build, run_steps, warm_up
 
 from memkit.memory import replay_trace
+
+from ._cuda_run import ALLOC_CONF, build, run_steps, warm_up
 
 PRESET = "flux"
 MAX_ENTRIES = 2_000_000  # the trace is a ring buffer: a full one has lost the window's start

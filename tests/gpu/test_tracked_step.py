@@ -14,10 +14,11 @@ device (torch's default keeps them on the CPU).
 """
 
 import torch
-from _cuda_run import cuda_window, settle, warm_up
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import memkit
+
+from ._cuda_run import cuda_window, settle, warm_up
 
 PRESET = "flux"
 
