@@ -384,3 +384,32 @@ def test_shadows_are_views_of_one_buffer_counted_as_ema_to_the_byte():
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # disjoint
     handle.remove()
     assert all(torch.equal(s, p) for s, p in zip(shadows, model.parameters(), strict=True))  # the model untouched
+
+
+def test_small_cpu_shadows_are_lerped_on_one_thread_and_large_ones_on_torch_s(monkeypatch):
+    # the update is a pass over memory: a tensor's parallel region costs more than a second thread gains under
+    # ONE_THREAD_BYTES (memkit/optimizations/_ema_update.py); the thread count is torch's again afterwards
+    from memkit.optimizations import _ema_update
+
+    big = _ema_update.ONE_THREAD_BYTES // 4  # fp32 elements of a tensor at the threshold
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n)) for n in (big - 1, big, 7)])
+    ema, reference = memkit.EMA(decay=0.5).build(model), memkit.EMA(decay=0.5).build(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    reference.step(model, step=1)  # torch's threads throughout: the same values (an elementwise pass)
+    seen, real = [], torch._foreach_lerp_
+
+    def spy(shadows, params, weight):
+        seen.append((sorted(s.numel() for s in shadows), torch.get_num_threads()))
+        return real(shadows, params, weight)
+
+    monkeypatch.setattr(torch, "_foreach_lerp_", spy)
+    threads = max(torch.get_num_threads(), 2)  # as on a machine with threads to spare
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    ema.step(model, step=1)
+    assert [sizes for sizes, _ in seen] == [[7, big - 1], [big]]
+    assert calls == [1, threads]  # one thread for the small ones, torch's count back before the large one
+    assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, reference.shadow_params, strict=True))
