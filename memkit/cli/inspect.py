@@ -20,7 +20,7 @@ _MAX_OOMS = 5  # out-of-memory errors listed in the text; --json has them all
 
 def run(args: argparse.Namespace) -> int:
     """``memkit inspect``: summary, peaks (per device), segments and top allocations of a snapshot."""
-    from ..memory.snapshot import SnapshotError, read_snapshot
+    from ..memory.snapshot import read_snapshot
 
     if args.replay:
         return _replay(args)
@@ -29,12 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise CLIError(f"--top must be >= 1, got {args.top}")
     check_writable(args.html)
-    try:
-        timeline = read_snapshot(args.snapshot)
-    except FileNotFoundError:
-        raise CLIError(f"no such file: {args.snapshot}") from None
-    except (SnapshotError, IsADirectoryError, PermissionError) as e:
-        raise CLIError(str(e)) from None
+    timeline = _opened(read_snapshot, args.snapshot)
     devices = timeline.devices
     several = len(devices) > 1
     parts = {d: timeline.on_device(d) for d in devices} if several else {}
@@ -68,6 +63,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 _RECORD = "torch.cuda.memory._record_memory_history() before torch.cuda.memory._dump_snapshot()"
+
+
+def _opened(read, path: str):
+    """``read(path)`` (a snapshot reader), its failures as one-line CLI errors."""
+    from ..memory.snapshot import SnapshotError
+
+    try:
+        return read(path)
+    except FileNotFoundError:
+        raise CLIError(f"no such file: {path}") from None
+    except (SnapshotError, IsADirectoryError, PermissionError) as e:
+        raise CLIError(str(e)) from None
 
 
 def _at(tl, timeline) -> str:
@@ -228,17 +235,12 @@ def _json(timeline, parts: dict, n: int) -> dict[str, Any]:
 
 def _replay(args: argparse.Namespace) -> int:
     """``--replay``: per device, each segment the real allocator made beside the model's; 0 when all alike."""
-    from ..memory.snapshot import SnapshotError, load_snapshot
+    from ..memory.snapshot import load_snapshot
     from ..memory.trace_replay import recorded_alloc_conf, replay_trace
 
     if args.html:
         raise CLIError("--html draws the timeline: it does not go with --replay")
-    try:
-        data = load_snapshot(args.snapshot)
-    except FileNotFoundError:
-        raise CLIError(f"no such file: {args.snapshot}") from None
-    except (SnapshotError, IsADirectoryError, PermissionError) as e:
-        raise CLIError(str(e)) from None
+    data = _opened(load_snapshot, args.snapshot)
     try:
         replays = replay_trace(data, args.alloc_conf)
     except ValueError as e:  # no trace, or a conf the model refuses
