@@ -386,9 +386,30 @@ def test_shadows_are_views_of_one_buffer_counted_as_ema_to_the_byte():
     assert all(torch.equal(s, p) for s, p in zip(shadows, model.parameters(), strict=True))  # the model untouched
 
 
-def test_small_cpu_shadows_are_lerped_on_one_thread_and_large_ones_on_torch_s(monkeypatch):
-    # the update is a pass over memory: a tensor's parallel region costs more than a second thread gains under
-    # ONE_THREAD_BYTES (memkit/optimizations/_ema_update.py); the thread count is torch's again afterwards
+def test_the_thread_choice_tries_both_ways_keeps_the_faster_and_tries_again(monkeypatch):
+    from memkit.optimizations._ema_update import ThreadChoice
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    choice, r = ThreadChoice(), ThreadChoice.retry
+    ways = []
+    for k in range(3 * r):  # one thread faster for the first r updates, torch's threads after
+        seconds = {False: 2.0, True: 1.0} if k < r else {False: 0.5, True: 1.0}
+        way = choice.one_thread()
+        ways.append(way)
+        choice.record(way, seconds[way] * 1000, 1000)  # seconds per byte compared, not seconds
+    assert ways[:2] == [False, True]  # each way tried once
+    assert set(ways[2 : r - 1]) == {True} and ways[r - 1] is False  # the faster, then the other again at the retry
+    assert set(ways[r : 2 * r - 1]) == {True}  # the other's last try (at update r) was still slower
+    assert ways[2 * r - 1] is False and set(ways[2 * r : 3 * r - 1]) == {False}  # tried again: faster now, kept
+    assert ways[3 * r - 1] is True  # and the other way tried again at the next retry
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not ThreadChoice().one_thread()  # one thread already: nothing to choose
+
+
+@pytest.mark.parametrize("one", [True, False])
+def test_small_cpu_shadows_follow_the_thread_choice_and_large_ones_use_torch_s_threads(monkeypatch, one):
+    # ONE_THREAD_BYTES (memkit/optimizations/_ema_update.py): the small ones on one thread where that was faster; the
+    # thread count is torch's again afterwards; the same values either way
     from memkit.optimizations import _ema_update
 
     big = _ema_update.ONE_THREAD_BYTES // 4  # fp32 elements of a tensor at the threshold
@@ -397,19 +418,22 @@ def test_small_cpu_shadows_are_lerped_on_one_thread_and_large_ones_on_torch_s(mo
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    reference.step(model, step=1)  # torch's threads throughout: the same values (an elementwise pass)
+    reference.step(model, step=1)
     seen, real = [], torch._foreach_lerp_
 
     def spy(shadows, params, weight):
-        seen.append((sorted(s.numel() for s in shadows), torch.get_num_threads()))
+        seen.append(sorted(s.numel() for s in shadows))
         return real(shadows, params, weight)
 
+    choice = _ema_update.ThreadChoice()
+    choice.rate = {True: 1.0 if one else 2.0, False: 2.0 if one else 1.0}
+    monkeypatch.setattr(_ema_update, "THREADS", choice)
     monkeypatch.setattr(torch, "_foreach_lerp_", spy)
     threads = max(torch.get_num_threads(), 2)  # as on a machine with threads to spare
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     ema.step(model, step=1)
-    assert [sizes for sizes, _ in seen] == [[7, big - 1], [big]]
-    assert calls == [1, threads]  # one thread for the small ones, torch's count back before the large one
+    assert seen == [[7, big - 1], [big]]
+    assert calls == ([1, threads] if one else [])  # one thread for the small ones, torch's count back after
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, reference.shadow_params, strict=True))

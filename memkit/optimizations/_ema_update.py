@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -61,8 +63,12 @@ def _lerp(
         if compute.type == "cpu":
             small = [i for i, s in enumerate(direct_s) if s.numel() * s.element_size() < ONE_THREAD_BYTES]
             if small:
-                with _one_thread():
-                    _direct([direct_s[i] for i in small], [direct_p[i] for i in small], weight, cfg.foreach)
+                pairs = [direct_s[i] for i in small], [direct_p[i] for i in small]
+                one = THREADS.one_thread()
+                t0 = time.perf_counter()
+                with _one_thread() if one else contextlib.nullcontext():
+                    _direct(*pairs, weight, cfg.foreach)
+                THREADS.record(one, time.perf_counter() - t0, sum(s.numel() * s.element_size() for s in pairs[0]))
                 keep = set(small)
                 direct_s = [s for i, s in enumerate(direct_s) if i not in keep]
                 direct_p = [p for i, p in enumerate(direct_p) if i not in keep]
@@ -73,11 +79,48 @@ def _lerp(
 
 
 ONE_THREAD_BYTES = 32 << 20
-"""CPU shadows under this many bytes are lerped on one thread. The lerp is a pass over memory: a second thread adds
-little bandwidth unless it has megabytes to stream, and each tensor's parallel region costs a barrier, tens of µs on
-a quiet machine and a scheduler time slice on a busy one, where threads spin (OpenMP's active wait): Flux small's
-140 tensors (all under 8 MiB) took 480 ms on two threads against 21 ms on one, on this project's 2-core machine under
-load (bench/RESULTS.md, ``ema``). Larger tensors (full models' big matrices) keep torch's threads."""
+"""CPU shadows under this many bytes may be lerped on one thread (:class:`ThreadChoice` decides); larger ones (full
+models' big matrices) always use torch's threads."""
+
+
+class ThreadChoice:
+    """Whether the CPU shadows under :data:`ONE_THREAD_BYTES` are lerped on one thread or on torch's, by which was
+    faster per byte when last tried: each way is tried once, then the other way again every :attr:`retry` updates.
+
+    The lerp is a pass over memory, in one parallel region per tensor. On a quiet machine torch's threads stream more
+    bandwidth (the project's 2-core machine: Flux small's 140 tensors in 15 ms on two threads, 22 ms on one, a flat
+    lerp of the same bytes 14 ms). On a busy one each region waits for a descheduled thread, since OpenMP's threads
+    spin unless ``OMP_WAIT_POLICY=PASSIVE``: 480 ms on two threads, 21 ms on one (the flat lerp: 28 ms). Either way
+    gives the same values (an elementwise pass); one instance serves the process (the load is the machine's).
+
+    Example:
+        >>> THREADS.one_thread()  # False while torch runs one thread anyway
+    """
+
+    retry = 64
+
+    def __init__(self) -> None:
+        self.rate: dict[bool, float | None] = {True: None, False: None}  # seconds per byte, the last try of each
+        self.updates = 0
+
+    def one_thread(self) -> bool:
+        """The way for this update."""
+        if torch.get_num_threads() == 1:
+            return False
+        self.updates += 1
+        for way in (False, True):
+            if self.rate[way] is None:
+                return way
+        best = self.rate[True] < self.rate[False]
+        return not best if self.updates % self.retry == 0 else best
+
+    def record(self, one: bool, seconds: float, nbytes: int) -> None:
+        """How long the way ``one`` took for ``nbytes`` of shadows."""
+        if nbytes and torch.get_num_threads() > 1:
+            self.rate[one] = seconds / nbytes
+
+
+THREADS = ThreadChoice()
 
 
 def _direct(shadows: list[torch.Tensor], params: list[torch.Tensor], weight: float, foreach: bool) -> None:
