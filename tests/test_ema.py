@@ -397,8 +397,8 @@ def test_the_thread_choice_tries_both_ways_keeps_the_faster_and_tries_again(monk
         way = choice.one_thread()
         ways.append(way)
         choice.record(way, seconds[way] * 1000, 1000)  # seconds per byte compared, not seconds
-    assert ways[:2] == [False, True]  # each way tried once
-    assert set(ways[2 : r - 1]) == {True} and ways[r - 1] is False  # the faster, then the other again at the retry
+    assert ways[:4] == [False, False, True, True]  # each way tried twice
+    assert set(ways[4 : r - 1]) == {True} and ways[r - 1] is False  # the faster, then the other again at the retry
     assert set(ways[r : 2 * r - 1]) == {True}  # the other's last try (at update r) was still slower
     assert ways[2 * r - 1] is False and set(ways[2 * r : 3 * r - 1]) == {False}  # tried again: faster now, kept
     assert ways[3 * r - 1] is True  # and the other way tried again at the next retry
@@ -427,6 +427,7 @@ def test_small_cpu_shadows_follow_the_thread_choice_and_large_ones_use_torch_s_t
 
     choice = _ema_update.ThreadChoice()
     choice.rate = {True: 1.0 if one else 2.0, False: 2.0 if one else 1.0}
+    choice.tries = {True: choice.first_tries, False: choice.first_tries}
     monkeypatch.setattr(_ema_update, "THREADS", choice)
     monkeypatch.setattr(torch, "_foreach_lerp_", spy)
     threads = max(torch.get_num_threads(), 2)  # as on a machine with threads to spare
