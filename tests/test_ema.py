@@ -391,17 +391,20 @@ def test_the_thread_choice_tries_both_ways_keeps_the_faster_and_tries_again(monk
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     choice, r = ThreadChoice(), ThreadChoice.retry
-    ways = []
-    for k in range(3 * r):  # one thread faster for the first r updates, torch's threads after
-        seconds = {False: 2.0, True: 1.0} if k < r else {False: 0.5, True: 1.0}
+
+    def update(seconds: dict[bool, float]) -> bool:
         way = choice.one_thread()
-        ways.append(way)
-        choice.record(way, seconds[way] * 1000, 1000)  # seconds per byte compared, not seconds
+        choice.record(way, seconds[way] * 1000, 1000)  # seconds per byte are compared, not seconds
+        return way
+
+    ways = [update({False: 2.0, True: 1.0}) for _ in range(4 + r)]  # one thread faster
     assert ways[:4] == [False, False, True, True]  # each way tried twice
-    assert set(ways[4 : r - 1]) == {True} and ways[r - 1] is False  # the faster, then the other again at the retry
-    assert set(ways[r : 2 * r - 1]) == {True}  # the other's last try (at update r) was still slower
-    assert ways[2 * r - 1] is False and set(ways[2 * r : 3 * r - 1]) == {False}  # tried again: faster now, kept
-    assert ways[3 * r - 1] is True  # and the other way tried again at the next retry
+    assert set(ways[4 : 3 + r]) == {True} and ways[3 + r] is False  # the faster, then the other again at the retry
+    ways = [update({False: 0.5, True: 1.0}) for _ in range(2 * r)]  # torch's threads faster from now on
+    assert set(ways[: r - 1]) == {True} and ways[r - 1] is False  # known only when tried again: then kept
+    assert set(ways[r : 2 * r - 1]) == {False} and ways[2 * r - 1] is True
+    assert update({False: 10.0, True: 1.0}) is False  # one slow try (noise) does not turn it
+    assert [update({False: 10.0, True: 1.0}) for _ in range(4)][-1] is True  # a window of slow ones does
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert not ThreadChoice().one_thread()  # one thread already: nothing to choose
 
@@ -426,8 +429,7 @@ def test_small_cpu_shadows_follow_the_thread_choice_and_large_ones_use_torch_s_t
         return real(shadows, params, weight)
 
     choice = _ema_update.ThreadChoice()
-    choice.rate = {True: 1.0 if one else 2.0, False: 2.0 if one else 1.0}
-    choice.tries = {True: choice.first_tries, False: choice.first_tries}
+    choice.tries = {True: [1.0 if one else 2.0] * 2, False: [2.0 if one else 1.0] * 2}
     monkeypatch.setattr(_ema_update, "THREADS", choice)
     monkeypatch.setattr(torch, "_foreach_lerp_", spy)
     threads = max(torch.get_num_threads(), 2)  # as on a machine with threads to spare

@@ -85,8 +85,9 @@ models' big matrices) always use torch's threads."""
 
 class ThreadChoice:
     """Whether the CPU shadows under :data:`ONE_THREAD_BYTES` are lerped on one thread or on torch's, by which was
-    faster per byte when last tried: each way is tried twice (the faster try kept: a process's first parallel region
-    also starts its threads), then the other way again every :attr:`retry` updates.
+    faster per byte in its last :attr:`window` tries (the fastest of them: noise only slows a try, and a process's
+    first parallel region also starts its threads): each way is tried twice, then the other way again every
+    :attr:`retry` updates.
 
     The lerp is a pass over memory, in one parallel region per tensor. On a quiet machine torch's threads stream more
     bandwidth (the project's 2-core machine: Flux small's 140 tensors in 15 ms on two threads, 22 ms on one, a flat
@@ -99,32 +100,37 @@ class ThreadChoice:
     """
 
     retry = 64
-
     first_tries = 2
+    window = 4
 
     def __init__(self) -> None:
-        self.rate: dict[bool, float] = {True: float("inf"), False: float("inf")}  # seconds per byte, the last try
-        self.tries = {True: 0, False: 0}
-        self.updates = 0
+        self.tries: dict[bool, list[float]] = {True: [], False: []}  # seconds per byte, the last `window` tries
+        self.updates = 0  # after the first tries
+
+    @property
+    def rate(self) -> dict[bool, float]:
+        """Each way's seconds per byte: the fastest of its last tries (inf before its first)."""
+        return {way: min(t, default=float("inf")) for way, t in self.tries.items()}
 
     def one_thread(self) -> bool:
         """The way for this update."""
         if torch.get_num_threads() == 1:
             return False
-        self.updates += 1
         for way in (False, True):
-            if self.tries[way] < self.first_tries:
+            if len(self.tries[way]) < self.first_tries:
                 return way
-        best = self.rate[True] < self.rate[False]
+        rate = self.rate
+        best = rate[True] < rate[False]
+        self.updates += 1
         return not best if self.updates % self.retry == 0 else best
 
     def record(self, one: bool, seconds: float, nbytes: int) -> None:
         """How long the way ``one`` took for ``nbytes`` of shadows."""
         if not nbytes or torch.get_num_threads() == 1:
             return
-        rate = seconds / nbytes
-        self.rate[one] = min(self.rate[one], rate) if self.tries[one] < self.first_tries else rate
-        self.tries[one] += 1
+        tries = self.tries[one]
+        tries.append(seconds / nbytes)
+        del tries[: -self.window]
 
 
 THREADS = ThreadChoice()
