@@ -104,12 +104,21 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
     # tests/test_compare.py runs real diffusers presets (minutes per mutant): the fast file is enough here
     "compare": ("memkit/comparison.py", ("tests/test_comparison_fast.py",)),
-    "optimizations": (
-        "memkit/optimizations/*",
-        ("tests/test_optimizations.py", "tests/test_checkpointing.py"),
+    # The optimizations one module each, like memory/: the whole package (17 files, ~5,000 mutants) against the
+    # tests that reach it would take hours on two cores. The others (ema, offload, lora...) are not here yet.
+    "optimizations": ("memkit/optimizations/__init__.py", ("tests/test_optimizations.py",)),
+    "checkpointing": (
+        "memkit/optimizations/checkpointing.py",
+        ("tests/test_checkpointing.py", "tests/test_checkpointing_offload.py"),
     ),
 }
 """Module name -> (the file or glob mutmut mutates, the test files run against each mutant)."""
+
+MARKERS: dict[str, str] = {
+    # name: a pytest -m expression run against each mutant (its test files hold slow suites: every preset
+    # trained, minutes per mutant, where a fast test already runs the same code path)
+    "checkpointing": "not slow",
+}
 
 EQUIVALENT: dict[tuple[str, str], str] = {
     # (function, the mutated line as mutmut shows it after "+", stripped): why no behaviour can change
@@ -701,7 +710,9 @@ def _mutmut(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=cwd, env=env, text=True, **kwargs)
 
 
-def _prepare(work: Path, target: str, tests: list[str], multiplier: float, constant: float) -> None:
+def _prepare(
+    work: Path, target: str, tests: list[str], multiplier: float, constant: float, markers: str | None = None
+) -> None:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -712,7 +723,7 @@ def _prepare(work: Path, target: str, tests: list[str], multiplier: float, const
         "source_paths": ["memkit"],
         "only_mutate": [target],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"],
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"] + (["-m", markers] if markers else []),
         "timeout_multiplier": multiplier,
         # torch is not fork-safe once its thread pool has run: a mutant forked from the process that ran the
         # tests can hang. A fork server that only imported the tests forks cleanly.
@@ -734,7 +745,7 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
         result.error = f"none of its test files exist: {', '.join(wanted)}"
         return result
     work = WORK / name
-    _prepare(work, target, tests, multiplier, constant)
+    _prepare(work, target, tests, multiplier, constant, MARKERS.get(name))
     t0 = time.perf_counter()
     with open(work / "mutmut.log", "w") as out:
         proc = subprocess.Popen(
@@ -795,7 +806,10 @@ def _render(result: Result, info: dict[str, str], commit: str) -> str:
         f"_`python -m bench.mutation {result.name}`, run {result.date}, {status}; commit {commit}; "
         f"torch {info['torch']}, {info['cpu']}, {info['cores']}, load {info['load average (1, 5, 15 min)']}._",
         "",
-        "Tests run against each mutant: " + ", ".join(f"`{t}`" for t in result.tests) + ".",
+        "Tests run against each mutant: "
+        + ", ".join(f"`{t}`" for t in result.tests)
+        + (f' (`-m "{MARKERS[result.name]}"`)' if result.name in MARKERS else "")
+        + ".",
         "",
         markdown_table([row]),
         "",

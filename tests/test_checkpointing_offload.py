@@ -267,3 +267,35 @@ def test_parse_names_and_registry():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         memkit.Checkpointing(provider="offload")  # configuring warns nothing: only a CPU-only run does
+
+
+def test_in_an_estimate_for_cuda_the_inputs_go_to_cpu_memory_and_in_one_for_the_cpu_nothing_moves(copies):
+    # The fake CPU tensors of an estimate for "cuda" stand for device ones: the real copy-down runs for them.
+    from memkit.memory.placement import planning
+
+    torch.manual_seed(0)
+    model, x = _Stack(3), torch.randn(4, 64)
+    down = {}
+    for device in ("cuda", "cpu"):
+        copies["down"]["forward"] = 0
+        with planning(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the CPU-only notice
+            with memkit.Checkpointing(provider="offload").apply(model):
+                model(x).sum().backward()
+        down[device] = copies["down"]["forward"]
+    assert down == {"cuda": 3, "cpu": 0}  # one per block input; none when the blocks' memory is CPU memory
+
+
+def test_a_host_copy_is_released_with_the_tensor_it_copies(stand_in, monkeypatch):
+    made, to_host = [], ck._to_host
+    monkeypatch.setattr(ck, "_to_host", lambda t, host: made.append(to_host(t, host)) or made[-1])
+    x = torch.randn(4, 8, requires_grad=True)
+    ck._run_offloaded(torch.nn.Linear(8, 8), x).sum().backward()
+    [copy] = made
+    made.clear()
+    copy = weakref.ref(copy)
+    gc.collect()
+    assert copy() is not None  # kept while x lives: the next block that reads x reuses it
+    del x
+    gc.collect()
+    assert copy() is None
