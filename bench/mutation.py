@@ -626,6 +626,12 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     },
     ("flash_cpu_forward", "q, k = args[0], args[2]"): "key and value have the same length in every attention "
     "call, and the formula reads only the key's length",
+    # ---- optimizations/__init__.py
+    (
+        "register",
+        'if not spec.name or not spec.name.replace("-", "XXXX").isalpha() or not spec.name.islower():',
+    ): "dashes become letters instead of nothing: isalpha() answers the same for every name but one of dashes "
+    "only, which islower() rejects either way (it has no cased letter)",
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching
@@ -650,6 +656,7 @@ class Result:
     seconds: float = 0.0
     error: str | None = None
     date: str = ""
+    commit: str = ""
 
     def count(self, statuses: set[str]) -> int:
         return sum(s in statuses for s in self.status.values())
@@ -735,16 +742,34 @@ def _prepare(
     (work / "pyproject.toml").write_text("\n".join(lines), encoding="utf-8")
 
 
-def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_seconds: float | None) -> Result:
-    """Mutate one module of ``MODULES`` against its test files; the mutants' statuses and the survivors' diffs."""
+def run_module(
+    name: str,
+    *,
+    jobs: int,
+    multiplier: float,
+    constant: float,
+    max_seconds: float | None,
+    commit: str = "?",
+    collect: bool = False,
+) -> Result:
+    """Mutate one module of ``MODULES`` against its test files; the mutants' statuses and the survivors' diffs.
+    ``collect``: run nothing, read the last run's statuses from ``build/mutation/<name>/`` (after an entry is added
+    to ``EQUIVALENT``); its date, duration and commit are the run's."""
     target, wanted = MODULES[name]
     tests = [t for t in wanted if (ROOT / t).is_file()]
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    result = Result(name=name, target=target, tests=tests, skipped=_decorated(target), date=date)
+    result = Result(name=name, target=target, tests=tests, skipped=_decorated(target), date=date, commit=commit)
     if not tests:
         result.error = f"none of its test files exist: {', '.join(wanted)}"
         return result
     work = WORK / name
+    if collect:
+        if not (work / "run.json").is_file():
+            result.error = f"no finished run to collect in {work}"
+            return result
+        for key, value in json.loads((work / "run.json").read_text(encoding="utf-8")).items():
+            setattr(result, key, value)
+        return _collect(result, work)
     _prepare(work, target, tests, multiplier, constant, MARKERS.get(name))
     t0 = time.perf_counter()
     with open(work / "mutmut.log", "w") as out:
@@ -763,6 +788,12 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
             proc.wait()
             result.error = f"stopped after --max-seconds {max_seconds:.0f}; the mutants not reached are 'not run'"
     result.seconds = time.perf_counter() - t0
+    run = {"date": result.date, "seconds": result.seconds, "error": result.error, "commit": commit}
+    (work / "run.json").write_text(json.dumps(run), encoding="utf-8")
+    return _collect(result, work)
+
+
+def _collect(result: Result, work: Path) -> Result:
     listing = _mutmut(["results", "--all", "true"], work, capture_output=True)
     for line in listing.stdout.splitlines():
         mutant, sep, status = line.strip().rpartition(": ")
@@ -800,6 +831,7 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
 
 def _render(result: Result, info: dict[str, str], commit: str) -> str:
     row = result.row()
+    commit = result.commit or commit
     parts = [f"<!-- mutation:{result.name} {json.dumps(row)} -->", f"## {result.target}", ""]
     status = f"took {result.seconds:.0f} s" + (" (stopped early)" if result.error else "")
     parts += [
@@ -857,8 +889,8 @@ def write_results(results: list[Result], info: dict[str, str], commit: str, path
         "",
         "Written by `python -m bench.mutation` (`make mutate`; see `bench/mutation.py` for how it runs and which "
         "tests each module is checked against). Not run by `make test` or CI. `% killed` = (killed + timeout) / "
-        "(mutants - equivalent); the target is at least 90% for `memory/`, `handle` and `compare`. Each section "
-        "lists the mutants its tests did not kill, as diffs, and the equivalent ones with the reason.",
+        "(mutants - equivalent); the target is at least 90% for `memory/`, `handle`, `compare` and the optimizations. "
+        "Each section lists the mutants its tests did not kill, as diffs, and the equivalent ones with the reason.",
         "",
         markdown_table(rows),
         "",
@@ -888,6 +920,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-constant", type=float, default=5.0, help="see the per-mutant timeout above")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop one module's run after this long")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown file (default: {RESULTS})")
+    parser.add_argument(
+        "--collect", action="store_true", help="run nothing: re-read the last run's results (after editing EQUIVALENT)"
+    )
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in MODULES]
     if unknown:
@@ -901,6 +936,8 @@ def main(argv: list[str] | None = None) -> int:
             multiplier=args.timeout_multiplier,
             constant=args.timeout_constant,
             max_seconds=args.max_seconds,
+            commit=commit,
+            collect=args.collect,
         )
         row = result.row()
         log(f"{name}: {row['mutants']} mutants, {row['% killed']}% killed in {result.seconds:.0f} s")

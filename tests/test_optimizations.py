@@ -162,3 +162,16 @@ def test_bad_values_name_the_type_or_the_choices():
     with pytest.raises(TypeError, match="spec must be a memkit.optimizations.Spec, got dict"):
         register({"name": "x"})
     assert parse("checkpointing:") == spec.default == memkit.Checkpointing()
+
+
+def test_a_spec_takes_either_section_and_freezes_its_field_choices():
+    spec = REGISTRY["checkpointing"]
+    assert dataclasses.replace(spec, section="fine-tuning").section == "fine-tuning"
+    assert dataclasses.replace(spec, section="optimizations").section == "optimizations"
+    given = {"pattern": ["all", "every:2"]}
+    choices = dataclasses.replace(spec, field_choices=given).field_choices
+    assert dict(choices) == {"pattern": ("all", "every:2")}  # lists become tuples
+    given["pattern"].append("none")  # the spec keeps its own copy
+    assert choices["pattern"] == ("all", "every:2")
+    with pytest.raises(TypeError):
+        choices["provider"] = ("torch",)  # read-only
