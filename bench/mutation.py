@@ -632,6 +632,58 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         'if not spec.name or not spec.name.replace("-", "XXXX").isalpha() or not spec.name.islower():',
     ): "dashes become letters instead of nothing: isalpha() answers the same for every name but one of dashes "
     "only, which islower() rejects either way (it has no cased letter)",
+    # ---- optimizations/checkpointing.py
+    **{
+        (function, line.replace("strict=True", arg)): "the two sequences have the same length by construction "
+        "(one is built from the other, or both from the same list)"
+        for function, line in (
+            (
+                "_run_offloaded",
+                "host = [_host_copy(x, target) if target is not None else x for x, target in "
+                "zip(leaves, targets, strict=True)]",
+            ),
+            (
+                "_run_offloaded",
+                "devices = [x.device if target is not None else None for x, target in "
+                "zip(leaves, targets, strict=True)]",
+            ),
+            ("_run_offloaded", "for x, d in zip(flat[len(markers) :], devices, strict=True):"),
+            (
+                "_run_offloaded",
+                "moved = [back[id(x)] if d is not None else x for x, d in "
+                "zip(flat[len(markers) :], devices, strict=True)]",
+            ),
+            (
+                "Checkpointing.select",
+                "for (name, _), chosen in zip(blocks, _selected(self.pattern, [b for _, b in blocks]), strict=True)",
+            ),
+            (
+                "Checkpointing.apply",
+                "return self._apply_diffusers(model, {id(b) for (_, b), c in zip(blocks, chosen, strict=True) if c})",
+            ),
+            (
+                "Checkpointing.apply",
+                "return self._apply_wrapped([b for (_, b), c in zip(blocks, chosen, strict=True) if c])",
+            ),
+        )
+        for arg in ("strict=None", "", "strict=False")
+    },
+    **{
+        (function, line): "non_blocking only decides whether a copy between CUDA and host memory waits: the same "
+        "values reach every reader (the copy back is ordered on the stream that reads it), and a copy from CPU to "
+        "CPU memory is synchronous either way"
+        for function, line in (
+            ("_to_host", "copy = t.detach().to(host, non_blocking=None, copy=True)"),
+            ("_to_host", "copy = t.detach().to(host, copy=True)"),
+            ("_to_device", "return t.to(device, non_blocking=None, copy=True)"),
+            ("_to_device", "return t.to(device, copy=True)"),
+            ("_to_device", 'return t.to(device, non_blocking=device.type != "cuda", copy=True)'),
+            ("_to_device", 'return t.to(device, non_blocking=device.type == "XXcudaXX", copy=True)'),
+            ("_to_device", 'return t.to(device, non_blocking=device.type == "CUDA", copy=True)'),
+        )
+    },
+    ("_forget", "_host_copies.pop(key, )"): "the entry is always there when its tensor dies: each entry's weakref "
+    "is the only one with a callback, and an entry replaced while its tensor lives drops its weakref unfired",
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching

@@ -468,7 +468,7 @@ def test_a_budget_is_a_positive_int_given_instead_of_a_pattern():
 
 
 def test_plan_needs_a_budget_and_a_diffusers_model():
-    with pytest.raises(ValueError, match="plan\\(\\) needs budget_bytes="):
+    with pytest.raises(ValueError, match=r"^plan\(\) needs budget_bytes=, the memory budget to fit \(bytes\)$"):
         memkit.Checkpointing().plan(_Stack(2))
     budget = memkit.Checkpointing(budget_bytes=2**30)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
@@ -481,6 +481,10 @@ def test_plan_needs_a_budget_and_a_diffusers_model():
         budget.plan(_Stack(2))
     with pytest.raises(TypeError, match=f"^{re.escape(no_config)}$"):
         budget.apply(_Stack(2))
+    configured = _Stack(2)
+    configured.config = {"blocks": 2}  # a config, but no class method to build from it
+    with pytest.raises(TypeError, match="_Stack has none"):
+        budget.plan(configured)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
         memkit.Checkpointing().apply(3)
 
@@ -642,3 +646,21 @@ def test_a_budget_for_a_weightless_model_plans_with_the_planners_defaults(monkey
     memkit.Checkpointing(budget_bytes=1000).plan(_Weightless(), frames=9)
     [(copy, _, kwargs)] = asked
     assert isinstance(copy, _Weightless) and kwargs == {"provider": "torch", "frames": 9}
+
+
+class _OnCuda(_Weightless):
+    """A model built from a config, its weight a fake CUDA tensor (no GPU needed: nothing is allocated)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            self.weight = torch.nn.Parameter(torch.empty(2, dtype=torch.float16, device="cuda"))
+
+
+def test_a_budget_for_a_model_on_cuda_plans_for_cuda(monkeypatch):
+    asked = _stand_in_planner(monkeypatch, peak=100)
+    memkit.Checkpointing(budget_bytes=1000).plan(_OnCuda())
+    [(copy, _, kwargs)] = asked
+    assert isinstance(copy, _OnCuda) and kwargs == {"provider": "torch", "dtype": torch.float16, "device": "cuda"}
