@@ -682,6 +682,11 @@ EQUIVALENT: dict[tuple[str, str], str] = {
             ("_to_device", 'return t.to(device, non_blocking=device.type == "CUDA", copy=True)'),
         )
     },
+    (
+        "Checkpointing.apply",
+        'warnings.warn(f"budget_bytes: {plan}; checkpointing every block, the least memory", stacklevel=3)',
+    ): "the stack level only changes which line the warning names (under mutmut's trampoline another frame "
+    "anyway); its text is tested",
     ("_forget", "_host_copies.pop(key, )"): "the entry is always there when its tensor dies: each entry's weakref "
     "is the only one with a callback, and an entry replaced while its tensor lives drops its weakref unfired",
 }

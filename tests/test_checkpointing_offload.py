@@ -299,3 +299,21 @@ def test_a_host_copy_is_released_with_the_tensor_it_copies(stand_in, monkeypatch
     del x
     gc.collect()
     assert copy() is None
+
+
+def test_in_an_estimate_for_cuda_the_recompute_reads_a_copy_back_not_the_host_copy(monkeypatch):
+    # The copy back is a new tensor on the block's device: an estimate for "cuda" counts it there. Reading the host
+    # copy itself would leave it out of the device's backward.
+    from memkit.memory.placement import planning
+
+    host_copies, to_host = [], ck._to_host
+    monkeypatch.setattr(ck, "_to_host", lambda t, host: host_copies.append(to_host(t, host)) or host_copies[-1])
+    torch.manual_seed(0)
+    model, x = _Stack(2), torch.randn(4, 64)
+    read = []
+    first = model.blocks[1][0]  # the block's first layer reads its input, in the forward and in the recompute
+    first.register_forward_pre_hook(lambda module, args: read.append(args[0].untyped_storage().data_ptr()))
+    with planning("cuda"), memkit.Checkpointing(provider="offload").apply(model):
+        model(x).sum().backward()
+    kept = {t.untyped_storage().data_ptr() for t in host_copies}
+    assert len(read) == 2 and read[1] not in kept  # the forward, then the recompute
