@@ -612,8 +612,13 @@ class _ScaledBlock(torch.nn.Module):
         return torch.tanh(self.linear(x)) * scale
 
 
-@pytest.mark.parametrize("provider", ["torch", "selective", "offload"])
-def test_keyword_arguments_reach_a_checkpointed_block_with_and_without_grad(provider):
+@pytest.mark.parametrize("provider", ["torch", "selective", "offload", "offload-moving"])
+def test_keyword_arguments_reach_a_checkpointed_block_with_and_without_grad(provider, monkeypatch):
+    from memkit.optimizations import checkpointing as ck
+
+    if provider == "offload-moving":  # the kept inputs really go to a separate copy (see test_checkpointing_offload)
+        monkeypatch.setattr(ck, "_offload_target", lambda device: torch.device("cpu"))
+        provider = "offload"
     torch.manual_seed(0)
     model, x = _ScaledStack(3), torch.randn(4, 8)
     ref_out, ref = _stack_grads(model, x)

@@ -317,3 +317,11 @@ def test_in_an_estimate_for_cuda_the_recompute_reads_a_copy_back_not_the_host_co
         model(x).sum().backward()
     kept = {t.untyped_storage().data_ptr() for t in host_copies}
     assert len(read) == 2 and read[1] not in kept  # the forward, then the recompute
+
+
+def test_a_tensor_passed_twice_to_a_block_comes_back_once(stand_in, copies):
+    x = torch.randn(4, 8, requires_grad=True)
+    out = ck._run_offloaded(lambda a, b: torch.tanh(a * b), x, x)
+    copies["phase"] = "backward"
+    out.sum().backward()
+    assert copies["down"] == {"forward": 1, "backward": 0} and copies["back"] == {"forward": 0, "backward": 1}
