@@ -104,12 +104,21 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "handle": ("memkit/handle.py", ("tests/test_handle.py", "tests/test_mutants_handle.py")),
     # tests/test_compare.py runs real diffusers presets (minutes per mutant): the fast file is enough here
     "compare": ("memkit/comparison.py", ("tests/test_comparison_fast.py",)),
-    "optimizations": (
-        "memkit/optimizations/*",
-        ("tests/test_optimizations.py", "tests/test_checkpointing.py"),
+    # The optimizations one module each, like memory/: the whole package (17 files, ~5,000 mutants) against the
+    # tests that reach it would take hours on two cores. The others (ema, offload, lora...) are not here yet.
+    "optimizations": ("memkit/optimizations/__init__.py", ("tests/test_optimizations.py",)),
+    "checkpointing": (
+        "memkit/optimizations/checkpointing.py",
+        ("tests/test_checkpointing.py", "tests/test_checkpointing_offload.py"),
     ),
 }
 """Module name -> (the file or glob mutmut mutates, the test files run against each mutant)."""
+
+MARKERS: dict[str, str] = {
+    # name: a pytest -m expression run against each mutant (its test files hold slow suites: every preset
+    # trained, minutes per mutant, where a fast test already runs the same code path)
+    "checkpointing": "not slow",
+}
 
 EQUIVALENT: dict[tuple[str, str], str] = {
     # (function, the mutated line as mutmut shows it after "+", stripped): why no behaviour can change
@@ -617,6 +626,69 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     },
     ("flash_cpu_forward", "q, k = args[0], args[2]"): "key and value have the same length in every attention "
     "call, and the formula reads only the key's length",
+    # ---- optimizations/__init__.py
+    (
+        "register",
+        'if not spec.name or not spec.name.replace("-", "XXXX").isalpha() or not spec.name.islower():',
+    ): "dashes become letters instead of nothing: isalpha() answers the same for every name but one of dashes "
+    "only, which islower() rejects either way (it has no cased letter)",
+    # ---- optimizations/checkpointing.py
+    **{
+        (function, line.replace("strict=True", arg)): "the two sequences have the same length by construction "
+        "(one is built from the other, or both from the same list)"
+        for function, line in (
+            (
+                "_run_offloaded",
+                "host = [_host_copy(x, target) if target is not None else x for x, target in "
+                "zip(leaves, targets, strict=True)]",
+            ),
+            (
+                "_run_offloaded",
+                "devices = [x.device if target is not None else None for x, target in "
+                "zip(leaves, targets, strict=True)]",
+            ),
+            ("_run_offloaded", "for x, d in zip(flat[len(markers) :], devices, strict=True):"),
+            (
+                "_run_offloaded",
+                "moved = [back[id(x)] if d is not None else x for x, d in "
+                "zip(flat[len(markers) :], devices, strict=True)]",
+            ),
+            (
+                "Checkpointing.select",
+                "for (name, _), chosen in zip(blocks, _selected(self.pattern, [b for _, b in blocks]), strict=True)",
+            ),
+            (
+                "Checkpointing.apply",
+                "return self._apply_diffusers(model, {id(b) for (_, b), c in zip(blocks, chosen, strict=True) if c})",
+            ),
+            (
+                "Checkpointing.apply",
+                "return self._apply_wrapped([b for (_, b), c in zip(blocks, chosen, strict=True) if c])",
+            ),
+        )
+        for arg in ("strict=None", "", "strict=False")
+    },
+    **{
+        (function, line): "non_blocking only decides whether a copy between CUDA and host memory waits: the same "
+        "values reach every reader (the copy back is ordered on the stream that reads it), and a copy from CPU to "
+        "CPU memory is synchronous either way"
+        for function, line in (
+            ("_to_host", "copy = t.detach().to(host, non_blocking=None, copy=True)"),
+            ("_to_host", "copy = t.detach().to(host, copy=True)"),
+            ("_to_device", "return t.to(device, non_blocking=None, copy=True)"),
+            ("_to_device", "return t.to(device, copy=True)"),
+            ("_to_device", 'return t.to(device, non_blocking=device.type != "cuda", copy=True)'),
+            ("_to_device", 'return t.to(device, non_blocking=device.type == "XXcudaXX", copy=True)'),
+            ("_to_device", 'return t.to(device, non_blocking=device.type == "CUDA", copy=True)'),
+        )
+    },
+    (
+        "Checkpointing.apply",
+        'warnings.warn(f"budget_bytes: {plan}; checkpointing every block, the least memory", stacklevel=3)',
+    ): "the stack level only changes which line the warning names (under mutmut's trampoline another frame "
+    "anyway); its text is tested",
+    ("_forget", "_host_copies.pop(key, )"): "the entry is always there when its tensor dies: each entry's weakref "
+    "is the only one with a callback, and an entry replaced while its tensor lives drops its weakref unfired",
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching
@@ -641,6 +713,7 @@ class Result:
     seconds: float = 0.0
     error: str | None = None
     date: str = ""
+    commit: str = ""
 
     def count(self, statuses: set[str]) -> int:
         return sum(s in statuses for s in self.status.values())
@@ -701,7 +774,9 @@ def _mutmut(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=cwd, env=env, text=True, **kwargs)
 
 
-def _prepare(work: Path, target: str, tests: list[str], multiplier: float, constant: float) -> None:
+def _prepare(
+    work: Path, target: str, tests: list[str], multiplier: float, constant: float, markers: str | None = None
+) -> None:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -712,7 +787,7 @@ def _prepare(work: Path, target: str, tests: list[str], multiplier: float, const
         "source_paths": ["memkit"],
         "only_mutate": [target],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"],
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"] + (["-m", markers] if markers else []),
         "timeout_multiplier": multiplier,
         # torch is not fork-safe once its thread pool has run: a mutant forked from the process that ran the
         # tests can hang. A fork server that only imported the tests forks cleanly.
@@ -724,17 +799,35 @@ def _prepare(work: Path, target: str, tests: list[str], multiplier: float, const
     (work / "pyproject.toml").write_text("\n".join(lines), encoding="utf-8")
 
 
-def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_seconds: float | None) -> Result:
-    """Mutate one module of ``MODULES`` against its test files; the mutants' statuses and the survivors' diffs."""
+def run_module(
+    name: str,
+    *,
+    jobs: int,
+    multiplier: float,
+    constant: float,
+    max_seconds: float | None,
+    commit: str = "?",
+    collect: bool = False,
+) -> Result:
+    """Mutate one module of ``MODULES`` against its test files; the mutants' statuses and the survivors' diffs.
+    ``collect``: run nothing, read the last run's statuses from ``build/mutation/<name>/`` (after an entry is added
+    to ``EQUIVALENT``); its date, duration and commit are the run's."""
     target, wanted = MODULES[name]
     tests = [t for t in wanted if (ROOT / t).is_file()]
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    result = Result(name=name, target=target, tests=tests, skipped=_decorated(target), date=date)
+    result = Result(name=name, target=target, tests=tests, skipped=_decorated(target), date=date, commit=commit)
     if not tests:
         result.error = f"none of its test files exist: {', '.join(wanted)}"
         return result
     work = WORK / name
-    _prepare(work, target, tests, multiplier, constant)
+    if collect:
+        if not (work / "run.json").is_file():
+            result.error = f"no finished run to collect in {work}"
+            return result
+        for key, value in json.loads((work / "run.json").read_text(encoding="utf-8")).items():
+            setattr(result, key, value)
+        return _collect(result, work)
+    _prepare(work, target, tests, multiplier, constant, MARKERS.get(name))
     t0 = time.perf_counter()
     with open(work / "mutmut.log", "w") as out:
         proc = subprocess.Popen(
@@ -752,6 +845,12 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
             proc.wait()
             result.error = f"stopped after --max-seconds {max_seconds:.0f}; the mutants not reached are 'not run'"
     result.seconds = time.perf_counter() - t0
+    run = {"date": result.date, "seconds": result.seconds, "error": result.error, "commit": commit}
+    (work / "run.json").write_text(json.dumps(run), encoding="utf-8")
+    return _collect(result, work)
+
+
+def _collect(result: Result, work: Path) -> Result:
     listing = _mutmut(["results", "--all", "true"], work, capture_output=True)
     for line in listing.stdout.splitlines():
         mutant, sep, status = line.strip().rpartition(": ")
@@ -789,13 +888,17 @@ def run_module(name: str, *, jobs: int, multiplier: float, constant: float, max_
 
 def _render(result: Result, info: dict[str, str], commit: str) -> str:
     row = result.row()
+    commit = result.commit or commit
     parts = [f"<!-- mutation:{result.name} {json.dumps(row)} -->", f"## {result.target}", ""]
     status = f"took {result.seconds:.0f} s" + (" (stopped early)" if result.error else "")
     parts += [
         f"_`python -m bench.mutation {result.name}`, run {result.date}, {status}; commit {commit}; "
         f"torch {info['torch']}, {info['cpu']}, {info['cores']}, load {info['load average (1, 5, 15 min)']}._",
         "",
-        "Tests run against each mutant: " + ", ".join(f"`{t}`" for t in result.tests) + ".",
+        "Tests run against each mutant: "
+        + ", ".join(f"`{t}`" for t in result.tests)
+        + (f' (`-m "{MARKERS[result.name]}"`)' if result.name in MARKERS else "")
+        + ".",
         "",
         markdown_table([row]),
         "",
@@ -843,8 +946,8 @@ def write_results(results: list[Result], info: dict[str, str], commit: str, path
         "",
         "Written by `python -m bench.mutation` (`make mutate`; see `bench/mutation.py` for how it runs and which "
         "tests each module is checked against). Not run by `make test` or CI. `% killed` = (killed + timeout) / "
-        "(mutants - equivalent); the target is at least 90% for `memory/`, `handle` and `compare`. Each section "
-        "lists the mutants its tests did not kill, as diffs, and the equivalent ones with the reason.",
+        "(mutants - equivalent); the target is at least 90% for `memory/`, `handle`, `compare` and the optimizations. "
+        "Each section lists the mutants its tests did not kill, as diffs, and the equivalent ones with the reason.",
         "",
         markdown_table(rows),
         "",
@@ -874,6 +977,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-constant", type=float, default=5.0, help="see the per-mutant timeout above")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop one module's run after this long")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"markdown file (default: {RESULTS})")
+    parser.add_argument(
+        "--collect", action="store_true", help="run nothing: re-read the last run's results (after editing EQUIVALENT)"
+    )
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in MODULES]
     if unknown:
@@ -887,6 +993,8 @@ def main(argv: list[str] | None = None) -> int:
             multiplier=args.timeout_multiplier,
             constant=args.timeout_constant,
             max_seconds=args.max_seconds,
+            commit=commit,
+            collect=args.collect,
         )
         row = result.row()
         log(f"{name}: {row['mutants']} mutants, {row['% killed']}% killed in {result.seconds:.0f} s")

@@ -1,3 +1,6 @@
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -348,3 +351,321 @@ def test_selective_policy_must_save_each_costly_op(name):
     op = getattr(torch.ops.aten, name).default
     assert _selective_policy(None, op) == CheckpointPolicy.MUST_SAVE
     assert _selective_policy(None, torch.ops.aten.sin.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# ---- fast behaviour on a plain stack of blocks -------------------------------------------------------------------
+
+
+def _stack_grads(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.pow(2).sum().backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("provider", ["torch", "selective", "offload", "offload-moving"])
+def test_a_checkpointed_block_is_non_reentrant(provider, monkeypatch):
+    # Non-reentrant checkpointing gives a block's weights their gradients even when its input needs none (the
+    # first block's input, a batch); the reentrant one (torch's default when use_reentrant is not passed, with a
+    # warning) returns an output that needs no gradient, and the weights get none.
+    from memkit.optimizations import checkpointing as ck
+
+    if provider == "offload-moving":  # the kept inputs really go to a separate copy (see test_checkpointing_offload)
+        monkeypatch.setattr(ck, "_offload_target", lambda device: torch.device("cpu"))
+        provider = "offload"
+    torch.manual_seed(0)
+    model, x = _Stack(3), torch.randn(4, 8)
+    ref_out, ref = _stack_grads(model, x)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with memkit.Checkpointing(provider=provider).apply(model):
+            out, got = _stack_grads(model, x)
+    assert not [str(w.message) for w in said if "reentrant" in str(w.message) or "requires_grad" in str(w.message)]
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for g, r in zip(got, ref, strict=True):
+        assert g is not None
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+
+
+# Which of 5 blocks each pattern names, written out from the pattern's definition (Checkpointing.pattern).
+FIVE_BLOCKS = [
+    ("all", [0, 1, 2, 3, 4]),
+    ("none", []),
+    ("every:1", [0, 1, 2, 3, 4]),
+    ("every:2", [0, 2, 4]),
+    ("every:3", [0, 3]),
+    ("every:7", [0]),
+    ("skip-every:1", []),
+    ("skip-every:2", [1, 3]),
+    ("skip-every:3", [1, 2, 4]),
+    ("first:1", [0]),
+    ("first:2", [0, 1]),
+    ("first:5", [0, 1, 2, 3, 4]),
+    ("last:1", [4]),
+    ("last:2", [3, 4]),
+    ("last:5", [0, 1, 2, 3, 4]),
+    ((4, 0), [0, 4]),
+    ((), []),
+    ([2], [2]),
+    (_every_other, [1, 3]),
+]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "chosen"), FIVE_BLOCKS, ids=[getattr(p, "__name__", str(p)) for p, _ in FIVE_BLOCKS]
+)
+def test_each_pattern_form_names_its_blocks(pattern, chosen):
+    model = _Stack(5)
+    config = memkit.Checkpointing(pattern=pattern)
+    assert config.select(model) == [(f"blocks.{i}", i in chosen) for i in range(5)]
+    with config.apply(model):  # the blocks named are the ones wrapped, and only while applied
+        assert [i for i, b in enumerate(model.blocks) if "forward" in vars(b)] == chosen
+    assert not any("forward" in vars(b) for b in model.blocks)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("first:6", "pattern 'first:6' names 6 blocks, but the model has 5"),
+        ("last:6", "pattern 'last:6' names 6 blocks, but the model has 5"),
+        ((5,), "pattern names blocks [5] that do not exist: the model has 5 blocks (0..4)"),
+        ((-1,), "pattern names blocks [-1] that do not exist: the model has 5 blocks (0..4)"),
+        ((0, -5, 7), "pattern names blocks [-5, 7] that do not exist: the model has 5 blocks (0..4)"),
+    ],
+)
+def test_a_pattern_naming_blocks_the_model_lacks_is_refused(pattern, message):
+    model = _Stack(5)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        memkit.Checkpointing(pattern=pattern).apply(model)
+    assert not any("forward" in vars(b) for b in model.blocks)  # nothing half-applied
+
+
+def test_pattern_values_are_checked_when_the_config_is_made():
+    for bad in ((True,), ("0",), (0, 1.0)):
+        with pytest.raises(TypeError, match="got tuple"):
+            memkit.Checkpointing(pattern=bad)
+    with pytest.raises(TypeError, match="got float"):
+        memkit.Checkpointing(pattern=2.5)
+    with pytest.raises(ValueError, match=r"one of \['none', 'all', 'every:N', 'skip-every:N', 'first:K'"):
+        memkit.Checkpointing(pattern="last:0")
+    with pytest.raises(TypeError, match="blocks must be the name of an nn.ModuleList or None, got int"):
+        memkit.Checkpointing(blocks=3)
+    with pytest.raises(ValueError, match=r"provider must be one of \['torch', 'selective', 'offload'\], got 'x'"):
+        memkit.Checkpointing(budget_bytes=2**30, provider="x")
+    assert memkit.Checkpointing(blocks="blocks", provider="offload").provider == "offload"
+
+
+def test_a_budget_is_a_positive_int_given_instead_of_a_pattern():
+    for bad in (0, -1, 1.5, True, "1GiB"):
+        with pytest.raises(ValueError, match=f"budget_bytes must be a positive int \\(bytes\\) or None, got {bad!r}"):
+            memkit.Checkpointing(budget_bytes=bad)
+    assert memkit.Checkpointing(budget_bytes=1).pattern == "auto"
+    assert memkit.Checkpointing(pattern="auto", budget_bytes=1) == memkit.Checkpointing(budget_bytes=1)
+    with pytest.raises(ValueError, match="give a pattern or budget_bytes, not both: pattern='every:2' with"):
+        memkit.Checkpointing(pattern="every:2", budget_bytes=2**30)
+    with pytest.raises(ValueError, match="pattern='auto' needs budget_bytes="):
+        memkit.Checkpointing(pattern="auto")
+
+
+def test_plan_needs_a_budget_and_a_diffusers_model():
+    with pytest.raises(ValueError, match=r"^plan\(\) needs budget_bytes=, the memory budget to fit \(bytes\)$"):
+        memkit.Checkpointing().plan(_Stack(2))
+    budget = memkit.Checkpointing(budget_bytes=2**30)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        budget.plan("flux")
+    no_config = (
+        "budget_bytes plans on a fake copy built from a diffusers model's config; _Stack has none: call "
+        "memkit.plan_checkpointing(lambda: build_model(), budget_bytes, inputs=...) and apply its plan.config"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(no_config)}$"):
+        budget.plan(_Stack(2))
+    with pytest.raises(TypeError, match=f"^{re.escape(no_config)}$"):
+        budget.apply(_Stack(2))
+    configured = _Stack(2)
+    configured.config = {"blocks": 2}  # a config, but no class method to build from it
+    with pytest.raises(TypeError, match="_Stack has none"):
+        budget.plan(configured)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
+        memkit.Checkpointing().apply(3)
+
+
+def test_apply_restores_a_forward_the_block_had_of_its_own():
+    model = _Stack(3)
+    own = model.blocks[1].forward  # a bound method stored on the instance, as a hook library would
+    model.blocks[1].forward = own
+    with memkit.Checkpointing().apply(model):
+        assert all(b.forward is not own for b in model.blocks)
+    assert vars(model.blocks[1])["forward"] is own
+    assert "forward" not in vars(model.blocks[0]) and "forward" not in vars(model.blocks[2])
+
+
+def test_remove_restores_a_diffusers_models_own_checkpointing_function():
+    model = memkit.load_model("flux")
+    calls = []
+
+    def mine(module, *args, **kwargs):
+        calls.append(module)
+        return module(*args, **kwargs)
+
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=mine)
+    with memkit.Checkpointing(pattern="first:1").apply(model):
+        assert model.is_gradient_checkpointing
+    flags = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    assert all(m.gradient_checkpointing and m._gradient_checkpointing_func is mine for m in flags)
+    memkit.train_step(model, memkit.make_inputs(model))
+    assert calls  # the model runs its own function again
+
+
+def test_parse_takes_a_string_and_defaults_to_torch():
+    with pytest.raises(TypeError, match="value must be a string such as 'every:2' or 'all@selective', got int"):
+        memkit.Checkpointing.parse(2)
+    assert memkit.Checkpointing.parse("first:2").provider == "torch"
+    assert memkit.Checkpointing.parse("last:1@offload") == memkit.Checkpointing(pattern="last:1", provider="offload")
+
+
+def test_str_names_the_pattern_and_any_provider_but_torch():
+    from functools import partial
+
+    from memkit.units import format_bytes
+
+    assert str(memkit.Checkpointing()) == "checkpointing:all"
+    assert str(memkit.Checkpointing(provider="offload")) == "checkpointing:all@offload"
+    assert str(memkit.Checkpointing(pattern=_every_other)) == "checkpointing:_every_other"
+    assert str(memkit.Checkpointing(pattern=partial(_every_other))) == "checkpointing:custom"
+    budget = 3 * 2**30
+    assert " " in format_bytes(budget)
+    assert str(memkit.Checkpointing(budget_bytes=budget)) == (
+        f"checkpointing:auto<={format_bytes(budget).replace(' ', '')}"
+    )
+
+
+def _stand_in_planner(monkeypatch, peak: int) -> list:
+    """memkit.plan_checkpointing replaced by one that records what it is asked and plans block 0, at ``peak``."""
+    import memkit.planning as planning
+
+    asked = []
+
+    def plan_checkpointing(model, budget_bytes, **kwargs):
+        asked.append((model(), budget_bytes, kwargs))
+        config = memkit.Checkpointing(pattern=(0,), provider=kwargs["provider"])
+        return planning.CheckpointPlan(
+            config=config, predicted_peak_bytes=peak, budget_bytes=budget_bytes, blocks=2, checkpointed=1, tried=()
+        )
+
+    monkeypatch.setattr(planning, "plan_checkpointing", plan_checkpointing)
+    return asked
+
+
+def test_a_budget_plans_on_a_fresh_copy_with_the_models_dtype_and_device(monkeypatch):
+    asked = _stand_in_planner(monkeypatch, peak=100)
+    model = memkit.load_model("flux").to(torch.bfloat16)
+    config = memkit.Checkpointing(budget_bytes=1000, provider="selective")
+    assert config.plan(model).config == memkit.Checkpointing(pattern=(0,), provider="selective")
+    config.plan(model, device="cuda", frames=9)
+    (copy, budget, kwargs), (_, _, overridden) = asked
+    assert type(copy) is type(model) and copy is not model and copy.config == model.config
+    assert budget == 1000
+    assert kwargs == {"provider": "selective", "dtype": torch.bfloat16, "device": "cpu"}
+    assert overridden == {"provider": "selective", "dtype": torch.bfloat16, "device": "cuda", "frames": 9}
+
+
+def test_a_budget_applies_and_selects_the_plans_blocks(monkeypatch):
+    _stand_in_planner(monkeypatch, peak=100)
+    model = memkit.load_model("flux")
+    config = memkit.Checkpointing(budget_bytes=1000)
+    names = [name for name, _ in memkit.Checkpointing().select(model)]
+    assert config.select(model) == [(name, i == 0) for i, name in enumerate(names)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it fits: nothing to say
+        with config.apply(model) as handle:
+            assert handle.name == "checkpointing:0" and model.is_gradient_checkpointing
+    assert not model.is_gradient_checkpointing
+
+
+def test_a_budget_that_does_not_fit_says_so(monkeypatch):
+    _stand_in_planner(monkeypatch, peak=2000)
+    model = memkit.load_model("flux")
+    with pytest.warns(UserWarning, match="budget_bytes: checkpointing:0: .* does NOT fit") as said:
+        memkit.Checkpointing(budget_bytes=1000).apply(model).remove()
+    assert len(said) == 1
+
+
+class _ScaledStack(torch.nn.Module):
+    """Blocks called with a keyword argument, as diffusers' blocks are (``temb=``, ``attention_mask=``...)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ScaledBlock() for _ in range(n))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x, scale=float(i + 2))
+        return x
+
+
+class _ScaledBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        return torch.tanh(self.linear(x)) * scale
+
+
+@pytest.mark.parametrize("provider", ["torch", "selective", "offload", "offload-moving"])
+def test_keyword_arguments_reach_a_checkpointed_block_with_and_without_grad(provider, monkeypatch):
+    from memkit.optimizations import checkpointing as ck
+
+    if provider == "offload-moving":  # the kept inputs really go to a separate copy (see test_checkpointing_offload)
+        monkeypatch.setattr(ck, "_offload_target", lambda device: torch.device("cpu"))
+        provider = "offload"
+    torch.manual_seed(0)
+    model, x = _ScaledStack(3), torch.randn(4, 8)
+    ref_out, ref = _stack_grads(model, x)
+    with torch.no_grad():
+        ref_no_grad = model(x)
+    config = memkit.Checkpointing(pattern="every:2", provider=provider)
+    with config.apply(model) as handle:
+        assert handle.name == str(config)
+        out, got = _stack_grads(model, x)
+        with torch.no_grad():
+            no_grad = model(x)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(no_grad, ref_no_grad, rtol=0, atol=0)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+
+
+class _Weightless(torch.nn.Module):
+    """A model built from a config, with no weights of its own."""
+
+    config = {"blocks": 0}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+
+def test_a_budget_for_a_weightless_model_plans_with_the_planners_defaults(monkeypatch):
+    asked = _stand_in_planner(monkeypatch, peak=100)
+    memkit.Checkpointing(budget_bytes=1000).plan(_Weightless(), frames=9)
+    [(copy, _, kwargs)] = asked
+    assert isinstance(copy, _Weightless) and kwargs == {"provider": "torch", "frames": 9}
+
+
+class _OnCuda(_Weightless):
+    """A model built from a config, its weight a fake CUDA tensor (no GPU needed: nothing is allocated)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            self.weight = torch.nn.Parameter(torch.empty(2, dtype=torch.float16, device="cuda"))
+
+
+def test_a_budget_for_a_model_on_cuda_plans_for_cuda(monkeypatch):
+    asked = _stand_in_planner(monkeypatch, peak=100)
+    memkit.Checkpointing(budget_bytes=1000).plan(_OnCuda())
+    [(copy, _, kwargs)] = asked
+    assert isinstance(copy, _OnCuda) and kwargs == {"provider": "torch", "dtype": torch.float16, "device": "cuda"}

@@ -267,3 +267,61 @@ def test_parse_names_and_registry():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         memkit.Checkpointing(provider="offload")  # configuring warns nothing: only a CPU-only run does
+
+
+def test_in_an_estimate_for_cuda_the_inputs_go_to_cpu_memory_and_in_one_for_the_cpu_nothing_moves(copies):
+    # The fake CPU tensors of an estimate for "cuda" stand for device ones: the real copy-down runs for them.
+    from memkit.memory.placement import planning
+
+    torch.manual_seed(0)
+    model, x = _Stack(3), torch.randn(4, 64)
+    down = {}
+    for device in ("cuda", "cpu"):
+        copies["down"]["forward"] = 0
+        with planning(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the CPU-only notice
+            with memkit.Checkpointing(provider="offload").apply(model):
+                model(x).sum().backward()
+        down[device] = copies["down"]["forward"]
+    assert down == {"cuda": 3, "cpu": 0}  # one per block input; none when the blocks' memory is CPU memory
+
+
+def test_a_host_copy_is_released_with_the_tensor_it_copies(stand_in, monkeypatch):
+    made, to_host = [], ck._to_host
+    monkeypatch.setattr(ck, "_to_host", lambda t, host: made.append(to_host(t, host)) or made[-1])
+    x = torch.randn(4, 8, requires_grad=True)
+    ck._run_offloaded(torch.nn.Linear(8, 8), x).sum().backward()
+    [copy] = made
+    made.clear()
+    copy = weakref.ref(copy)
+    gc.collect()
+    assert copy() is not None  # kept while x lives: the next block that reads x reuses it
+    del x
+    gc.collect()
+    assert copy() is None
+
+
+def test_in_an_estimate_for_cuda_the_recompute_reads_a_copy_back_not_the_host_copy(monkeypatch):
+    # The copy back is a new tensor on the block's device: an estimate for "cuda" counts it there. Reading the host
+    # copy itself would leave it out of the device's backward.
+    from memkit.memory.placement import planning
+
+    host_copies, to_host = [], ck._to_host
+    monkeypatch.setattr(ck, "_to_host", lambda t, host: host_copies.append(to_host(t, host)) or host_copies[-1])
+    torch.manual_seed(0)
+    model, x = _Stack(2), torch.randn(4, 64)
+    read = []
+    first = model.blocks[1][0]  # the block's first layer reads its input, in the forward and in the recompute
+    first.register_forward_pre_hook(lambda module, args: read.append(args[0].untyped_storage().data_ptr()))
+    with planning("cuda"), memkit.Checkpointing(provider="offload").apply(model):
+        model(x).sum().backward()
+    kept = {t.untyped_storage().data_ptr() for t in host_copies}
+    assert len(read) == 2 and read[1] not in kept  # the forward, then the recompute
+
+
+def test_a_tensor_passed_twice_to_a_block_comes_back_once(stand_in, copies):
+    x = torch.randn(4, 8, requires_grad=True)
+    out = ck._run_offloaded(lambda a, b: torch.tanh(a * b), x, x)
+    copies["phase"] = "backward"
+    out.sum().backward()
+    assert copies["down"] == {"forward": 1, "backward": 0} and copies["back"] == {"forward": 0, "backward": 1}

@@ -115,3 +115,63 @@ def test_parse_and_register_refuse_bad_input_by_name():
     assert "Bad Name" not in REGISTRY and "empty" not in REGISTRY  # nothing half-registered
     with pytest.raises(TypeError):
         REGISTRY["x"] = Spec  # read-only view
+
+
+def _fresh_registry(monkeypatch):
+    """register() into a copy of the registry, thrown away after the test."""
+    import memkit.optimizations as opt
+
+    monkeypatch.setattr(opt, "_REGISTRY", dict(opt._REGISTRY))
+    return opt
+
+
+def test_a_new_spec_is_parsed_by_its_name_dashes_included(monkeypatch):
+    opt = _fresh_registry(monkeypatch)
+    spec = dataclasses.replace(REGISTRY["checkpointing"], name="re-compute", report=())
+    assert opt.register(spec) is spec
+    assert opt.parse("re-compute") == memkit.Checkpointing()
+    assert opt.parse("re-compute:every:2") == memkit.Checkpointing(pattern="every:2")
+    assert "re-compute" not in REGISTRY  # the copy only
+
+
+@pytest.mark.parametrize("name", ["", "UPPER", "Mixed", "a1", "two words", "-"])
+def test_a_spec_name_must_be_a_lowercase_word(name, monkeypatch):
+    opt = _fresh_registry(monkeypatch)
+    with pytest.raises(ValueError, match=f"spec.name must be a lowercase word \\(dashes allowed\\), got {name!r}"):
+        opt.register(dataclasses.replace(REGISTRY["checkpointing"], name=name))
+
+
+def test_a_spec_names_only_fields_its_config_has_and_a_known_section():
+    spec = REGISTRY["checkpointing"]
+    with pytest.raises(ValueError, match=r"spec.panel names \['colour'\], not fields of Checkpointing"):
+        register(dataclasses.replace(spec, name="painted", panel=("pattern", "colour")))
+    with pytest.raises(ValueError, match=r"spec.field_choices names \['colour'\], not fields of Checkpointing"):
+        register(dataclasses.replace(spec, name="painted", field_choices={"colour": ("red",)}))
+    with pytest.raises(ValueError, match="section must be 'optimizations' or 'fine-tuning', got 'other'"):
+        dataclasses.replace(spec, section="other")
+    assert "painted" not in REGISTRY
+
+
+def test_bad_values_name_the_type_or_the_choices():
+    spec = REGISTRY["checkpointing"]
+    for bad in ("", None, 3):
+        with pytest.raises(ValueError, match=r"checkpointing needs a value, one of \['all', 'every:2', .*got "):
+            spec.parse(bad)
+    with pytest.raises(TypeError, match="text must be a string such as 'checkpointing:all', got int"):
+        parse(3)
+    with pytest.raises(TypeError, match="spec must be a memkit.optimizations.Spec, got dict"):
+        register({"name": "x"})
+    assert parse("checkpointing:") == spec.default == memkit.Checkpointing()
+
+
+def test_a_spec_takes_either_section_and_freezes_its_field_choices():
+    spec = REGISTRY["checkpointing"]
+    assert dataclasses.replace(spec, section="fine-tuning").section == "fine-tuning"
+    assert dataclasses.replace(spec, section="optimizations").section == "optimizations"
+    given = {"pattern": ["all", "every:2"]}
+    choices = dataclasses.replace(spec, field_choices=given).field_choices
+    assert dict(choices) == {"pattern": ("all", "every:2")}  # lists become tuples
+    given["pattern"].append("none")  # the spec keeps its own copy
+    assert choices["pattern"] == ("all", "every:2")
+    with pytest.raises(TypeError):
+        choices["provider"] = ("torch",)  # read-only
