@@ -213,9 +213,12 @@ FSDP = {
 }
 
 
-# a batch of 2 is spliced in test_every_setting (in CI), FSDP with checkpointing in fsdp-adam-3-steps: these two
-# under FSDP in `make test-extended` (~15 s each)
-_FSDP_TIER = {"fsdp-3-batch-2": pytest.mark.extended, "fsdp-4-checkpointing": pytest.mark.extended}
+# a batch of 2 is spliced in test_every_setting (in CI), FSDP with checkpointing in fsdp-adam-3-steps, and each
+# preset's blocks in test_every_preset_default_step (FSDP's hooks are the same for every block): these under FSDP in
+# `make test-extended` (~13-15 s each)
+_FSDP_TIER = {
+    c: pytest.mark.extended for c in ("fsdp-3-batch-2", "fsdp-4-checkpointing", "fsdp-hunyuanvideo", "fsdp-ltx")
+}
 
 
 @pytest.mark.parametrize(
