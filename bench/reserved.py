@@ -30,16 +30,11 @@ import torch
 import memkit
 
 from . import Section, Table, log
+from .checkpointing import PR, PR_SIZES  # diffusers PR #10611's table and setup
 
 TITLE = "reserved: published max_memory_reserved figures vs memkit's reserved estimate; the replay's share of it"
 GiB = 2**30
-PR_10611 = {  # diffusers PR #10611, LTX-Video on a GPU: torch.cuda.max_memory_reserved() / 1024**3
-    "none": 26.719,
-    "every:4": 22.188,
-    "every:2": 17.658,
-    "all": 9.316,
-}
-PR_SIZES = {"height": 512, "width": 768, "frames": 81, "text_len": 128}
+PR_10611 = {name: gib for name, (gib, _) in PR.items()}  # max_memory_reserved() / 1024**3 per pattern
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 # (preset, recipe): ("after epoch 1" max_memory_reserved, "before training start" reserved - allocated), GiB
 FINETRAINERS = {

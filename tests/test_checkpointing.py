@@ -363,16 +363,23 @@ def _stack_grads(model, x):
     return out.detach(), [p.grad for p in model.parameters()]
 
 
+def _provider(provider: str, monkeypatch) -> str:
+    """The provider to configure: "offload-moving" is "offload" with the kept inputs really moved to a separate copy
+    (see test_checkpointing_offload), where on the CPU they would stay put."""
+    if provider != "offload-moving":
+        return provider
+    from memkit.optimizations import checkpointing as ck
+
+    monkeypatch.setattr(ck, "_offload_target", lambda device: torch.device("cpu"))
+    return "offload"
+
+
 @pytest.mark.parametrize("provider", ["torch", "selective", "offload", "offload-moving"])
 def test_a_checkpointed_block_is_non_reentrant(provider, monkeypatch):
     # Non-reentrant checkpointing gives a block's weights their gradients even when its input needs none (the
     # first block's input, a batch); the reentrant one (torch's default when use_reentrant is not passed, with a
     # warning) returns an output that needs no gradient, and the weights get none.
-    from memkit.optimizations import checkpointing as ck
-
-    if provider == "offload-moving":  # the kept inputs really go to a separate copy (see test_checkpointing_offload)
-        monkeypatch.setattr(ck, "_offload_target", lambda device: torch.device("cpu"))
-        provider = "offload"
+    provider = _provider(provider, monkeypatch)
     torch.manual_seed(0)
     model, x = _Stack(3), torch.randn(4, 8)
     ref_out, ref = _stack_grads(model, x)
@@ -614,11 +621,7 @@ class _ScaledBlock(torch.nn.Module):
 
 @pytest.mark.parametrize("provider", ["torch", "selective", "offload", "offload-moving"])
 def test_keyword_arguments_reach_a_checkpointed_block_with_and_without_grad(provider, monkeypatch):
-    from memkit.optimizations import checkpointing as ck
-
-    if provider == "offload-moving":  # the kept inputs really go to a separate copy (see test_checkpointing_offload)
-        monkeypatch.setattr(ck, "_offload_target", lambda device: torch.device("cpu"))
-        provider = "offload"
+    provider = _provider(provider, monkeypatch)
     torch.manual_seed(0)
     model, x = _ScaledStack(3), torch.randn(4, 8)
     ref_out, ref = _stack_grads(model, x)

@@ -61,14 +61,15 @@ def _lerp(
             staged.append((s, p.detach()))
     if direct_s:
         if compute.type == "cpu":
-            small = [i for i, s in enumerate(direct_s) if s.numel() * s.element_size() < ONE_THREAD_BYTES]
+            sizes = [s.numel() * s.element_size() for s in direct_s]
+            small = [i for i, n in enumerate(sizes) if n < ONE_THREAD_BYTES]
             if small:
                 pairs = [direct_s[i] for i in small], [direct_p[i] for i in small]
                 one = THREADS.one_thread()
                 t0 = time.perf_counter()
                 with _one_thread() if one else contextlib.nullcontext():
                     _direct(*pairs, weight, cfg.foreach)
-                THREADS.record(one, time.perf_counter() - t0, sum(s.numel() * s.element_size() for s in pairs[0]))
+                THREADS.record(one, time.perf_counter() - t0, sum(sizes[i] for i in small))
                 keep = set(small)
                 direct_s = [s for i, s in enumerate(direct_s) if i not in keep]
                 direct_p = [p for i, p in enumerate(direct_p) if i not in keep]
