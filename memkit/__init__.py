@@ -57,6 +57,9 @@ _EXPORTS = {
     "Variant": ".comparison",
     "VariantResult": ".comparison",
     "estimate": ".estimation",
+    "estimate_job": ".pipeline",
+    "Pipeline": ".pipeline",
+    "Job": ".pipeline",
     "FSDP": ".parallel",
     "Playground": ".widgets.app",
 }
@@ -74,6 +77,7 @@ _SUBMODULES = (
     "parallel",
     "widgets",
     "gpus",
+    "pipeline",
 )
 
 __all__ = [
@@ -85,11 +89,13 @@ __all__ = [
     "FFSplit",
     "FSDP",
     "Handle",
+    "Job",
     "LoRA",
     "Offload",
     "Optimization",
     "PHASES",
     "PRESETS",
+    "Pipeline",
     "Playground",
     "Quantize",
     "SIZES",
@@ -99,6 +105,7 @@ __all__ = [
     "VariantResult",
     "compare",
     "estimate",
+    "estimate_job",
     "load_model",
     "make_inputs",
     "memory",
@@ -125,6 +132,7 @@ if TYPE_CHECKING:
     from .optimizations.feedforward import FFSplit
     from .optimizations.offload import Offload
     from .parallel import FSDP
+    from .pipeline import Job, Pipeline, estimate_job
     from .planning import CheckpointPlan, plan_checkpointing
     from .presets import PRESETS, SIZES
     from .step import Step, train_step

@@ -449,10 +449,18 @@ class Tagger:
             self.owner.pop(row[8], None)
 
 
-def parameters(lists: list[tuple[str, int, nn.ModuleList]], probe_parameters: int, *, trainable: bool = False) -> int:
-    """The full model's parameter count from the probe's (``trainable``: of the parameters that require grad)."""
+def parameters(
+    lists: list[tuple[str, int, nn.ModuleList]], probe_parameters: int, *, trainable: bool = False, nbytes: bool = False
+) -> int:
+    """The full model's parameter count from the probe's (``trainable``: of the parameters that require grad;
+    ``nbytes``: their bytes, not their elements)."""
     extra = sum(
-        (n - PROBE) * sum(p.numel() for p in blocks[1].parameters() if p.requires_grad or not trainable)
+        (n - PROBE)
+        * sum(
+            p.numel() * (p.element_size() if nbytes else 1)
+            for p in blocks[1].parameters()
+            if p.requires_grad or not trainable
+        )
         for _, n, blocks in lists
     )
     return probe_parameters + extra

@@ -321,11 +321,15 @@ def fake_module_to_in_place() -> Iterator[None]:
     """
     import torch
 
+    from .optimizations._common import weights_replaced
+
     def cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 if _casts(t, dtype):
+                    old = t.data
                     t.data = t.to(dtype)
+                    weights_replaced([old])
 
     with _fake_module_to(cast):
         yield

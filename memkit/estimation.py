@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
 from . import _memo, _splice, gpus
@@ -177,7 +178,8 @@ def estimate(
     Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count
     (``parameters``; ``trainable_parameters``: those the step trains, e.g. only the adapters under
     :class:`memkit.LoRA`, 0 in inference),
-    ``measured`` (``"first and steady"``, ``"first"``, ``"steady"`` or ``"inference"``), ``step_starts`` (the
+    ``trainable_bytes`` (their bytes), ``measured`` (``"first and steady"``, ``"first"``, ``"steady"`` or
+    ``"inference"``), ``step_starts`` (the
     index of each measured step's first event), ``first_step_peak_bytes`` and ``steady_peak_bytes`` (None where
     that step was not measured; in inference both are the one pass's peak: no state lives across passes),
     ``host_bytes`` (category -> bytes the optimizations keep in host memory, off a ``"cuda"`` peak: an
@@ -333,7 +335,8 @@ def estimate(
                 why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"
     if measured is None:
         measured = _measure(**run, memoize=False)
-    timeline, starts, (params, trainable), host_bytes, disk, base_blocks = measured
+    timeline, starts, (params, trainable, trained_bytes), host_bytes, disk, base_blocks, input_keys = measured
+    timeline.baseline_blocks, timeline.input_keys = list(base_blocks), input_keys
     first, steady = _step_peaks(timeline, step, starts)
     reserved = _reserved(timeline, step, starts, base_blocks, alloc_conf) if cuda else _NO_RESERVED
     timeline.meta.update(
@@ -360,6 +363,7 @@ def estimate(
         parallel=str(parallel) if parallel is not None else None,
         parameters=params,
         trainable_parameters=trainable if step.training else 0,
+        trainable_bytes=trained_bytes if step.training else 0,
         host_bytes=host_bytes,
         disk_bytes=disk,
         memoized=why_not is None,
@@ -429,15 +433,20 @@ def _measure(
             # inputs that keep their values (attention masks): Mochi finds its valid tokens by nonzero of its mask,
             # HunyuanVideo 1.5 indexes tokens by masks, Lumina2 sums its mask into caption lengths (.tolist())
             stack.enter_context(known_values(kwargs))
+            input_keys = frozenset(
+                t.untyped_storage()._cdata for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor)
+            )
             runner = step.bind(net, handle)
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)
             # counted while the optimizations are applied (LoRA's adapters exist, the base is frozen)
             params = sum(_weights(p) for p in net.parameters())
             trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+            trained_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
             if lists:
                 params = _memo.parameters(lists, params)
                 trainable = _memo.parameters(lists, trainable, trainable=True)
+                trained_bytes = _memo.parameters(lists, trained_bytes, trainable=True, nbytes=True)
             bar.update()
             for i in range(n - tracked):
                 bar.set_postfix_str(f"step {i + 1}/{n}")
@@ -480,7 +489,7 @@ def _measure(
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
-    return timeline, starts, (params, trainable), host_bytes, sum(plan.disk), base_blocks
+    return timeline, starts, (params, trainable, trained_bytes), host_bytes, sum(plan.disk), base_blocks, input_keys
 
 
 def _weights(p: torch.Tensor) -> int:

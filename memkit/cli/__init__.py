@@ -116,6 +116,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "  memkit estimate flux --fsdp 8,cpu-offload     # the same, shards and optimizer in CPU memory\n"
         "  memkit estimate wan --inference --frames 81 --height 720 --width 1280\n"
         "  memkit estimate flux --grad-accum 4           # 4 micro-batches per optimizer step\n"
+        "  memkit estimate flux --quantize nf4 --lora 16 --text-encoders gpu --validate 100:28   # the whole job\n"
         "  memkit estimate flux --mixed-precision bf16   # fp32 weights and AdamW, bf16 autocast\n"
         "  memkit estimate flux --optimizer-on cpu       # AdamW's state and step in CPU memory (torchao)\n"
         "  memkit estimate sd3 --batch-size 4 --json     # machine-readable, bytes\n"
@@ -232,6 +233,53 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
             help=f"input size in {unit} (default: the preset's, see memkit.PRESETS)",
         )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device to plan for")
+    job = p.add_argument_group(
+        "the whole job (memkit.Pipeline): the pipeline's components beside the transformer, and the phases outside "
+        "the step"
+    )
+    where = "precomputed (default: not loaded, the cached outputs are the inputs), gpu (resident) or cpu (moved on "
+    job.add_argument(
+        "--text-encoders",
+        choices=("precomputed", "gpu", "cpu"),
+        default="precomputed",
+        help=f"where the preset pipeline's text encoders live: {where}to encode each batch, then off)",
+    )
+    job.add_argument(
+        "--vae",
+        choices=("precomputed", "gpu", "cpu"),
+        default="precomputed",
+        help=f"where the VAE lives: {where}to encode or decode, then off)",
+    )
+    job.add_argument(
+        "--cfg",
+        choices=("batch", "separate"),
+        default=None,
+        help="classifier-free guidance of an inference or validation denoising step: batch (conditional and "
+        "unconditional in one doubled batch, as diffusers' pipelines) or separate (two passes); default none (a "
+        "guidance-distilled model such as Flux-dev)",
+    )
+    job.add_argument("--vae-tiling", action="store_true", help="the VAE decodes (and encodes) in tiles")
+    job.add_argument("--vae-slicing", action="store_true", help="the VAE decodes a batch one sample at a time")
+    job.add_argument(
+        "--precompute",
+        action="store_true",
+        help="training: the job includes encoding the dataset with each precomputed component on the GPU, in turn, "
+        "beside the loaded transformer (diffusers' training scripts' order)",
+    )
+    job.add_argument(
+        "--validate",
+        metavar="EVERY:STEPS",
+        default=None,
+        help="training: sample every EVERY steps with STEPS denoising steps (one denoising step and the VAE decode "
+        "beside the training state; off by default)",
+    )
+    job.add_argument(
+        "--quantize-on",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="with --quantize: quantize in host memory, then move (default), or load the checkpoint onto the GPU and "
+        "quantize there (its whole bf16 weights resident first)",
+    )
     group = p.add_argument_group("optimizations (several compose, applied in this order)")
     specs = optimization_specs()
     add_optimization_flags(group, specs)

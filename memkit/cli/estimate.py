@@ -160,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
             )
             optimizations = [*optimizations, plan.config]
             print(f"checkpointing auto: {plan}", file=sys.stderr if args.json else sys.stdout)
-        timeline = memkit.estimate(args.preset, optimizations=optimizations, **settings)
+        pipeline = _pipeline(args, training)
+        job_settings = {k: v for k, v in settings.items() if k != "gpu"}
+        job = memkit.estimate_job(args.preset, pipeline, optimizations=optimizations, gpu=args.gpu, **job_settings)
+        timeline = job.step
     except (ValueError, TorchVersionError, MissingLibraryError) as e:
         # sizes the model refuses, a feature this torch lacks (FSDP), an optimizer's library that is not installed
         raise CLIError(str(e)) from None
@@ -205,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         "memoized": meta.get("memoized"),
         "memo": meta.get("memo"),
         "lower_bound_ops": list(meta.get("lower_bound_ops") or []),
+        **job.summary(),
     }
     if plan is not None:
         result["checkpoint_plan"] = {
@@ -227,8 +231,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}", file=out)
     status = 0
     if args.gpu is not None:  # the exit status is the verdict: a launch script can guard a run with it
-        result.update({k: meta[k] for k in ("gpu", "gpu_name", "usable_bytes", "fits", "verdict", "headroom_bytes")})
-        status = 0 if meta["fits"] else 1
+        keys = ("gpu", "gpu_name", "usable_bytes", "fits", "verdict", "headroom_bytes")
+        result.update({k: job.meta[k] for k in keys})  # the job's peak is the answer (the step's, by default)
+        status = 0 if job.meta["fits"] else 1
     if args.json:
         print(json.dumps(result, indent=2))
         return status
@@ -293,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
         if meta["memoized"]
         else f"; every block: {meta['memo']}"
     )
+    rows += _job_rows(job, args.unit, div, num)
     rows.append(("estimated in", f"{meta['seconds']:.1f} s ({len(timeline):,} events{how})"))
     print(rows_text(rows))
     if result["lower_bound_ops"]:
@@ -308,6 +314,50 @@ def run(args: argparse.Namespace) -> int:
             "context (~0.3-0.5 GiB) and cuBLAS workspaces for nvidia-smi."
         )
     if args.gpu is not None:
-        verdict = memkit.gpus.verdict(meta["peak_reserved_bytes"], memkit.gpus.find(args.gpu))
-        print(f"\nGPU: {verdict.describe()} ({peak_step(meta, reserved=True)})")
+        verdict = memkit.gpus.verdict(job.peak_reserved_bytes, memkit.gpus.find(args.gpu))
+        where = peak_step(meta, reserved=True) if job.peak_phase in ("training", "denoise") else job.peak_phase
+        print(f"\nGPU: {verdict.describe()} (the job's peak: {where})")
     return status
+
+
+def _pipeline(args: argparse.Namespace, training: bool) -> memkit.Pipeline:
+    """The :class:`memkit.Pipeline` of the job flags (``--text-encoders``, ``--vae``, ``--validate``...)."""
+    from ..pipeline import parse_validate
+
+    validate = None
+    if args.validate is not None:
+        if not training:
+            raise CLIError("--validate samples during training; an --inference job has no validation")
+        try:
+            validate = parse_validate(args.validate)
+        except ValueError as e:
+            raise CLIError(f"--validate {args.validate}: {e}") from None
+    if args.precompute and not training:
+        raise CLIError("--precompute is a phase of a training job; an --inference job reads no dataset")
+    if args.cfg is not None and training and validate is None:
+        raise CLIError("--cfg applies to --inference and to --validate's denoising step")
+    if args.quantize_on != "cpu" and not any(
+        type(o).__name__ == "Quantize" for o in optimizations_from(args, args.optimization_specs)
+    ):
+        raise CLIError("--quantize-on goes with --quantize METHOD (where the base is quantized while loading)")
+    return memkit.Pipeline(
+        text_encoders=args.text_encoders, vae=args.vae, cfg=args.cfg, vae_tiling=args.vae_tiling,
+        vae_slicing=args.vae_slicing, precompute=args.precompute, validate=validate, quantize_on=args.quantize_on,
+    )  # fmt: skip
+
+
+def _job_rows(job, unit: str, div: float, num: str) -> list[tuple[str, str]]:
+    """The table's rows of the job: each phase's peak (allocated, reserved, host), the component split at the job's
+    peak, the host peak. Only the step's row where the job is the transformer's step alone."""
+    rows: list[tuple[str, str]] = []
+    phases = job.peak_by_phase
+    rows.append((f"by phase: allocated / reserved / host ({unit})", ""))
+    for name, p in phases.items():
+        reserved = "-" if p["reserved"] is None else f"{p['reserved'] / div:{num}}"
+        mark = "  <- the job's peak" if name == job.peak_phase else ""
+        rows.append((f"  {name}", f"{p['allocated'] / div:{num}} / {reserved} / {p['host'] / div:{num}}{mark}"))
+    if len(job.components) > 1:
+        rows.append((f"by component, at the job's peak ({unit})", ""))
+        rows += [(f"  {c}", f"{v / div:{num}}") for c, v in job.peak_by_component.items()]
+    rows.append((f"host memory, the job's most ({unit})", f"{job.host_peak_bytes / div:{num}}"))
+    return rows

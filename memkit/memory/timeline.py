@@ -58,6 +58,11 @@ class Timeline(_Reserved):
         self.meta: dict[str, Any] = dict(meta or {})
         self._cache: dict[str, Any] = {}
         self._baseline_dev: dict[str, dict[str, int]] | None = None
+        self.baseline_blocks: list[tuple[int, int, int]] | None = None
+        """The baseline's storages as ``(storage key, bytes, device code)`` in allocation order, where the window's
+        source knows them (an estimate: what the allocator replay lays out first); None otherwise."""
+        self.input_keys: frozenset[int] = frozenset()
+        """Storage keys of the baseline's inputs among ``baseline_blocks``."""
         if baseline_by_device is not None and baseline_by_category is None:
             baseline_by_category = {
                 c: sum(int(split.get(c, 0)) for split in baseline_by_device.values()) for c in CATEGORIES
@@ -226,7 +231,12 @@ class Timeline(_Reserved):
             meta=meta,
             baseline_by_device=self._baseline_dev,
             reserved=self._reserved,
-        )
+        )._with_blocks(self)
+
+    def _with_blocks(self, other: Timeline) -> Timeline:
+        self.baseline_blocks = None if other.baseline_blocks is None else list(other.baseline_blocks)
+        self.input_keys = other.input_keys
+        return self
 
     @property
     def peak_time(self) -> float:

@@ -86,12 +86,15 @@ def quantize(model: nn.Module, method: str, compute_dtype: torch.dtype, skip: li
 def _fill(layers: list, originals: dict, fake: Any) -> None:
     import bitsandbytes as bnb
 
+    from ._common import weights_replaced
+
     for name, module in layers:
         old = originals[name]
         if isinstance(module, bnb.nn.Linear4bit):
             _fill_4bit(module, old, fake)
         else:
             _fill_8bit(module, old, fake)
+        weights_replaced(list(old.parameters()))
         # the repacking for bitsandbytes' CPU inference kernel (eval(), no grad, AVX-512 BF16) is for good: a later
         # training forward would silently give no input gradient. Off: CUDA never repacks either.
         module.support_avx512bf16_for_cpu = False
