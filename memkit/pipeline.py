@@ -333,8 +333,13 @@ class _Compose:
     def events(self, tl: Timeline, component: str, *, keep_keys: bool = False, start: int = 0, stop=None) -> None:
         """Append ``tl``'s events (``start:stop``) after what is there, its time shifted and, unless ``keep_keys``
         (the step whose baseline blocks the phase keeps), its storage keys renamed apart from every other part's."""
-        _one_device(tl)
         cols = {name: tl.column(name)[start:stop] for name in _NAMES}
+        real = [i for i, d in enumerate(tl.devices) if d != "meta"]  # meta tensors (empty-weight inits) hold nothing
+        if len(real) > 1:
+            raise NotImplementedError(f"a job's phases are composed on one device; this run has events on {tl.devices}")
+        if len(real) < len(tl.devices):
+            keep = np.isin(cols["device"], real)
+            cols = {name: col[keep] for name, col in cols.items()}
         if not len(cols["bytes"]):
             return
         cols = dict(cols)
@@ -369,13 +374,6 @@ class _Compose:
             tl.meta["peak_reserved_bytes"] = tl.peak_reserved_bytes
         tl.meta["peak_bytes"] = tl.peak_bytes
         return Phase(name, tl, owner, dict(self.base_comp), int(host_bytes), note)
-
-
-def _one_device(tl: Timeline) -> None:
-    if len(tl.devices) > 1:
-        raise NotImplementedError(
-            f"a job's phases are composed on one device; this timeline has events on {tl.devices}"
-        )
 
 
 def _live_at_end(tl: Timeline) -> list[tuple[int, int, str]]:
@@ -504,7 +502,6 @@ def estimate_job(
     comps: tuple = ()
     preset = None
     if pipeline.components_used or not training:
-        from . import _components
         from .naming import resolve
 
         ref = resolve(model) if isinstance(model, (str, os.PathLike)) else None
@@ -514,6 +511,8 @@ def estimate_job(
                 f"the pipeline's components come from a preset's pipeline; {model!r} is no preset (give a preset "
                 f"name, or Pipeline() for the transformer alone)"
             )
+        from . import _components
+
         comps = _components.components(preset)
     from .models import PRESETS
 
@@ -782,7 +781,9 @@ def _quantize_on_device(model, quantize, *, size, dtype, device, seed) -> Timeli
     cuda = device == "cuda"
     with FakeTensorMode(), _default_dtype(dtype), planning(device):
         net = load_model(model, size=size, dtype=dtype, seed=seed)
-        with track(net, alloc_granularity=CUDA_BLOCK if cuda else None, device=device if cuda else None) as tl:
+        # one device (the estimate's): the originals' frees would otherwise go to the meta device diffusers'
+        # empty-weight layers are made on
+        with track(net, alloc_granularity=CUDA_BLOCK if cuda else None, device=device) as tl:
             tracker = _active_tracker()
             with _releasing_replaced():
                 handle = quantize.apply(net)

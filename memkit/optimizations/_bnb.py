@@ -94,7 +94,8 @@ def _fill(layers: list, originals: dict, fake: Any) -> None:
             _fill_4bit(module, old, fake)
         else:
             _fill_8bit(module, old, fake)
-        weights_replaced(list(old.parameters()))
+        kept = {p.untyped_storage()._cdata for p in module.parameters()}  # the bias moves over on its storage
+        weights_replaced([p for p in old.parameters() if p.untyped_storage()._cdata not in kept])
         # the repacking for bitsandbytes' CPU inference kernel (eval(), no grad, AVX-512 BF16) is for good: a later
         # training forward would silently give no input gradient. Off: CUDA never repacks either.
         module.support_avx512bf16_for_cpu = False

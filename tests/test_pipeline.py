@@ -1,0 +1,123 @@
+"""The whole job (memkit.estimate_job, memkit.Pipeline): its phases against their oracles.
+
+- The default job is the transformer's step alone: its training phase is the step's estimate, its load phase the
+  step's weights, its saving phase the trained parameters' bytes in host memory.
+- Quantizing on the GPU (``quantize_on="gpu"``) is the real library run on the loaded checkpoint: against torchao's
+  ``quantize_`` run on a real CPU model as a script does (no reference kept), byte for byte.
+- Bad input names the argument and what is allowed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memkit
+from memkit.pipeline import Pipeline, estimate_job, parse_validate
+
+PRESET = "flux"
+
+
+def test_the_default_job_is_the_step_alone():
+    lora = memkit.LoRA(rank=4)
+    job = estimate_job(PRESET, size="tiny", optimizations=[lora], progress=False)
+    step = memkit.estimate(PRESET, size="tiny", optimizations=[lora], progress=False)
+    assert list(job.phases) == ["load", "training", "saving"]
+    training = job.phases["training"].timeline
+    assert training.peak_bytes == step.peak_bytes
+    assert training.peak_reserved_bytes == step.peak_reserved_bytes
+    assert job.peak_phase == "training" and job.peak_bytes == step.peak_bytes
+    assert job.components == ["transformer"]
+    # load: the weights the step holds (quantized, with adapters), its inputs left out
+    inputs = step.baseline_by_category["input"]
+    assert job.phases["load"].timeline.end_bytes == step.baseline_bytes - inputs
+    # saving: the trained parameters copied to the host
+    trained = sum(p.numel() for p in _lora_model(lora).parameters() if p.requires_grad) * 2  # bf16 adapters
+    assert job.phases["saving"].host_bytes == trained == step.meta["trainable_bytes"]
+    # host while loading: the checkpoint in the step's dtype
+    assert job.phases["load"].host_bytes == step.meta["parameters"] * 2
+    summary = job.summary()
+    assert summary["peak_phase"] == "training" and set(summary["peak_by_phase"]) == set(job.phases)
+    assert summary["peak_by_component"] == {"transformer": job.peak_by_component["transformer"]}
+
+
+def _lora_model(lora):
+    model = memkit.load_model(PRESET, size="tiny", dtype=torch.bfloat16)
+    lora.apply(model)
+    return model
+
+
+def _torchao_on_a_real_model():
+    """A script's torchao quantization of the loaded checkpoint, tracked: ``quantize_`` on a real bf16 model."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = memkit.load_model(PRESET, size="tiny", dtype=torch.bfloat16)
+    with memkit.track(model) as tl:
+        quantize_(model, Int8WeightOnlyConfig())
+    return tl
+
+
+def test_quantizing_on_the_gpu_is_the_libraries_run_on_the_loaded_checkpoint():
+    real = _torchao_on_a_real_model()
+    quantize = memkit.Quantize(method="int8wo")
+    job = estimate_job(
+        PRESET, Pipeline(quantize_on="gpu"), size="tiny", device="cpu", optimizations=[quantize, memkit.LoRA(rank=4)],
+        progress=False,
+    )  # fmt: skip
+    load = job.phases["load"].timeline
+    assert (load.peak_bytes, load.end_bytes) == (real.peak_bytes, real.end_bytes)
+    assert real.peak_bytes > real.end_bytes  # the checkpoint's weights were resident before they were quantized
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8wo", "fp8-storage"])
+def test_quantizing_on_the_gpu_frees_each_original_and_ends_where_the_cpu_one_does(method):
+    pytest.importorskip("bitsandbytes")
+    quantize = memkit.Quantize(method=method)
+    jobs = {
+        on: estimate_job(PRESET, Pipeline(quantize_on=on), size="tiny", optimizations=[quantize], optimizer=None,
+                         progress=False)
+        for on in ("cpu", "gpu")
+    }  # fmt: skip
+    cpu, gpu = (jobs[on].phases["load"].timeline for on in ("cpu", "gpu"))
+    assert gpu.end_bytes == cpu.end_bytes  # every original weight freed once replaced
+    bf16 = sum(p.numel() * 2 for p in memkit.load_model(PRESET, size="tiny", dtype=torch.bfloat16).parameters())
+    assert gpu.peak_bytes >= bf16 > cpu.peak_bytes
+    assert jobs["gpu"].phases["load"].note.startswith("the checkpoint in bfloat16 loaded on the device")
+    # the checkpoint is read from host memory; on the CPU the quantized copy is made beside it
+    assert jobs["cpu"].phases["load"].host_bytes == jobs["gpu"].phases["load"].host_bytes + cpu.end_bytes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(text_encoders="disk"), r"text_encoders must be one of \['precomputed', 'gpu', 'cpu'\], got 'disk'"),
+        (dict(vae="GPU"), r"vae must be one of \['precomputed', 'gpu', 'cpu'\]"),
+        (dict(cfg="double"), r"cfg must be one of \[None, 'batch', 'separate'\]"),
+        (dict(quantize_on="tpu"), r"quantize_on must be one of \['cpu', 'gpu'\]"),
+        (dict(validate=(0, 28)), r"validate must be None or \(every, steps\)"),
+        (dict(validate="100"), r"validate must be EVERY:STEPS"),
+    ],
+)
+def test_a_bad_pipeline_names_the_argument_and_what_is_allowed(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Pipeline(**kwargs)
+
+
+def test_validate_takes_every_colon_steps():
+    assert parse_validate("100:28") == (100, 28)
+    assert Pipeline(validate="50:4").validate == (50, 4)
+    for bad in ("100", "a:b", "0:28", "100:-1"):
+        with pytest.raises(ValueError, match="EVERY:STEPS"):
+            parse_validate(bad)
+
+
+def test_a_job_refuses_what_its_mode_lacks():
+    with pytest.raises(ValueError, match="validate and precompute are phases of a training job"):
+        estimate_job(PRESET, Pipeline(validate=(10, 2)), size="tiny", mode="inference")
+    with pytest.raises(ValueError, match="cfg applies to inference and to validation"):
+        estimate_job(PRESET, Pipeline(cfg="batch"), size="tiny")
+    with pytest.raises(TypeError, match="pipeline must be a memkit.Pipeline"):
+        estimate_job(PRESET, {"vae": "gpu"}, size="tiny")
+    with pytest.raises(ValueError, match="no preset"):
+        estimate_job(lambda: torch.nn.Linear(2, 2), Pipeline(vae="gpu"))
