@@ -330,9 +330,12 @@ class _Compose:
         }
         self._append(cols, component)
 
-    def events(self, tl: Timeline, component: str, *, keep_keys: bool = False, start: int = 0, stop=None) -> None:
+    def events(
+        self, tl: Timeline, component: str, *, keep_keys: bool = False, start: int = 0, stop=None, drop: bool = False
+    ) -> None:
         """Append ``tl``'s events (``start:stop``) after what is there, its time shifted and, unless ``keep_keys``
-        (the step whose baseline blocks the phase keeps), its storage keys renamed apart from every other part's."""
+        (the step whose baseline blocks the phase keeps), its storage keys renamed apart from every other part's.
+        ``drop``: then free what they leave allocated (an output the script lets go before its next part)."""
         cols = {name: tl.column(name)[start:stop] for name in _NAMES}
         real = [i for i, d in enumerate(tl.devices) if d != "meta"]  # meta tensors (empty-weight inits) hold nothing
         if len(real) > 1:
@@ -356,6 +359,14 @@ class _Compose:
         cols["frame"] = np.full(len(op), -1, dtype=np.int32)
         cols["device"] = np.zeros(len(op), dtype=np.int16)
         self._append(cols, component)
+        if drop:
+            left: dict[int, list[int]] = {}
+            for act, n, key in zip(*(cols[c].tolist() for c in ("action", "bytes", "storage")), strict=True):
+                if act == ALLOC:
+                    left.setdefault(key, []).append(n)
+                elif left.get(key):
+                    left[key].pop()
+            self.move(component, [(k, n) for k, ns in left.items() for n in ns], FREE, "temporary")
 
     def phase(self, name: str, *, host_bytes: int, alloc_conf: str, note: str = "") -> Phase:
         if self.parts:
@@ -733,15 +744,17 @@ def _inference_kept(o) -> bool:
 def _denoise(c: _Compose, tl: Timeline, pipeline: Pipeline, *, events_only: bool = False) -> None:
     """Append a denoising step's events: the inference estimate ``tl``'s, twice apart with ``cfg="separate"`` (the
     first pass's prediction kept through the second)."""
-    if not events_only:  # its inputs (the batch's latents, embeddings) join the phase's residents
-        c.resident("transformer", "input", _renamed([(k, n) for k, n, _ in tl.baseline_blocks or []
-                                                     if k in tl.input_keys]))  # fmt: skip
-    c.events(tl, "transformer", keep_keys=events_only)
+    inputs = [] if events_only else _renamed([(k, n) for k, n, _ in tl.baseline_blocks or [] if k in tl.input_keys])
+    c.move("transformer", inputs, ALLOC, "input")  # validation: its inputs made after the prompt is encoded
+    held = [(k, n) for k, n, cat in _live_at_end(tl) if cat not in ("parameter", "input", "buffer")]
+    if pipeline.cfg == "separate":  # the first pass's prediction, kept through the second
+        c.events(tl, "transformer", drop=True)
+        held = _renamed(held)
+        c.move("transformer", held, ALLOC, "temporary")
+    c.events(tl, "transformer", keep_keys=events_only, drop=not events_only)
     if pipeline.cfg == "separate":
-        kept = _live_at_end(tl)
-        held = [(k, n) for k, n, cat in kept if cat not in ("parameter", "input", "buffer")]
-        c.events(tl, "transformer")
-        c.move("transformer", _renamed(held), ALLOC, "temporary")
+        c.move("transformer", held, FREE, "temporary")
+    c.move("transformer", inputs, FREE, "input")
 
 
 @contextlib.contextmanager

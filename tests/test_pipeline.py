@@ -121,3 +121,59 @@ def test_a_job_refuses_what_its_mode_lacks():
         estimate_job(PRESET, {"vae": "gpu"}, size="tiny")
     with pytest.raises(ValueError, match="no preset"):
         estimate_job(lambda: torch.nn.Linear(2, 2), Pipeline(vae="gpu"))
+
+
+def _real_job(preset, placements, *, validate=False, optimizations=()):
+    """A tiny training run on real CPU tensors, written as a script writes it and tracked whole: the components as
+    placed (resident), each live one encoding the batch before each step, two steps, then one validation denoising
+    step and the VAE decode. Returns (timeline, index where validation starts)."""
+    from memkit import _components
+    from memkit.handle import apply_all
+
+    torch.manual_seed(0)
+    model = memkit.load_model(preset, size="tiny", dtype=torch.bfloat16)
+    comps = _components.components(preset)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        modules = {c.name: c.build("tiny") for c in comps if placements[c.role] == "gpu"}
+        handle = apply_all(model, list(optimizations))
+        runner = memkit.Step(optimizer="adamw").bind(model, handle)
+        inputs = memkit.make_inputs(model, batch_size=1)
+        sizes = dict(memkit.PRESETS[preset].input_sizes["tiny"])
+        owned = {"parameter": [p for m in modules.values() for p in m.parameters()]}
+        with memkit.track(model, optimizer=runner.optimizer, inputs=inputs, owned=owned) as tl:
+            for _ in range(2):
+                for c in comps:
+                    if c.name in modules:
+                        out = _components.run(c, modules[c.name], batch_size=1, sizes=sizes, part="encode")
+                        del out
+                runner.run(inputs)
+            start = len(tl)
+            if validate:
+                with torch.no_grad():
+                    for c in comps:  # the validation prompt, encoded by the text encoders as placed
+                        if c.role == "text_encoder":
+                            out = _components.run(c, modules[c.name], batch_size=1, sizes=sizes, part="encode")
+                            del out
+                    val_inputs = memkit.make_inputs(model, batch_size=1)
+                    out = model(**val_inputs)
+                    del out, val_inputs
+                    vae = next(c for c in comps if c.role == "vae")
+                    decoded = _components.run(vae, modules[vae.name], batch_size=1, sizes=sizes, part="decode")
+                    del decoded
+        return tl, start
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_resident_components_and_validation_compose_as_a_real_run():
+    pytest.importorskip("memkit._components")
+    lora = memkit.LoRA(rank=4)
+    real, start = _real_job(PRESET, {"text_encoder": "gpu", "vae": "gpu"}, validate=True, optimizations=[lora])
+    job = estimate_job(
+        PRESET, Pipeline(text_encoders="gpu", vae="gpu", validate=(10, 2)), size="tiny", device="cpu",
+        optimizations=[lora], progress=False,
+    )  # fmt: skip
+    assert job.phases["training"].timeline.peak_bytes == real.peak_between(0, start)
+    assert job.phases["validation"].timeline.peak_bytes == real.peak_between(start)
