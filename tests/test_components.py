@@ -129,6 +129,16 @@ def test_fake_vae_peak_is_the_real_one(part, tiling, batch_size, request):
     assert _peak(c, fake=True, batch_size=batch_size, sizes=sizes, part=part, tiling=tiling) == real
 
 
+@pytest.mark.parametrize("slicing", [False, True])
+@pytest.mark.parametrize("part", ["encode", "decode"])
+@pytest.mark.parametrize("preset", ["wan", "ltx-video"])  # causal video VAEs: Wan's runs frames through a cache
+def test_fake_video_vae_peak_is_the_real_one(preset, part, slicing):
+    c = _component(preset, "vae")
+    sizes = {"height": 64, "width": 64, "frames": 9}
+    real = _peak(c, fake=False, batch_size=2, sizes=sizes, part=part, slicing=slicing)
+    assert _peak(c, fake=True, batch_size=2, sizes=sizes, part=part, slicing=slicing) == real
+
+
 def test_tiling_lowers_the_tiny_vae_decode_peak():
     c = _component("flux", "vae")
     sizes = {"height": 128, "width": 128}
