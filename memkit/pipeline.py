@@ -260,6 +260,9 @@ class Job:
             host_peak_bytes=self.host_peak_bytes,
             pipeline=str(self.pipeline),
             phase_notes={n: p.note for n, p in self.phases.items() if p.note},
+            lower_bound_phases={
+                n: p.timeline.meta["lower_bound"] for n, p in self.phases.items() if p.timeline.meta.get("lower_bound")
+            },  # fmt: skip
         )
 
     def __repr__(self) -> str:
@@ -292,6 +295,7 @@ class _Compose:
         self.base_comp: dict[str, int] = {}
         self.blocks: list[tuple[int, int, int]] = []
         self.t = 0.0
+        self.lower_bound: list[str] = []
 
     def _round(self, n: int) -> int:
         return int(round_alloc(int(n), CUDA_BLOCK if self.cuda else None))
@@ -379,6 +383,8 @@ class _Compose:
             meta=dict(phase=name, device="cuda" if self.cuda else "cpu", bytes="allocated"),
         )  # fmt: skip
         tl.baseline_blocks = list(self.blocks)
+        if self.lower_bound:
+            tl.meta["lower_bound"] = "; ".join(dict.fromkeys(self.lower_bound))
         if self.cuda:
             replay = replay_reserved(tl, baseline_blocks=self.blocks, alloc_conf=alloc_conf)
             tl.set_reserved(replay.series, replay.baseline_bytes)
@@ -574,15 +580,27 @@ def estimate_job(
     def new() -> _Compose:
         return _Compose(names, device_name, cuda)
 
+    stable: dict[str, tuple[list, list]] = {}
+
+    def blocks_of(c) -> tuple[list, list]:
+        """A component's weight and buffer blocks under keys of its own for the whole job (each phase that holds it
+        holds the same storages)."""
+        if c.name not in stable:
+            _, w, b = _weights_of(c)
+            stable[c.name] = (_renamed(w), _renamed(b))
+        return stable[c.name]
+
     def add_resident(comp_: _Compose, cs) -> None:
         for c in cs:
-            _, w, b = _weights_of(c)
-            comp_.resident(c.name, "parameter", _renamed(w))
-            comp_.resident(c.name, "buffer", _renamed(b))
+            w, b = blocks_of(c)
+            comp_.resident(c.name, "parameter", w)
+            comp_.resident(c.name, "buffer", b)
 
     def add_run(comp_: _Compose, c, part, batch, *, moved: bool) -> None:
-        tl, w, b = run(c, part, batch)
-        blocks = _renamed(w) + _renamed(b)
+        tl, _, _ = run(c, part, batch)
+        if cuda and c.role == "vae":
+            comp_.lower_bound.append(_VAE_LOWER_BOUND)
+        blocks = [*blocks_of(c)[0], *blocks_of(c)[1]]
         if moved:
             comp_.move(c.name, blocks, ALLOC)
         comp_.events(tl, c.name)
@@ -608,7 +626,7 @@ def estimate_job(
         c.move("transformer", transformer_blocks, ALLOC)
     for comp_ in on_gpu:
         _, w, b = _weights_of(comp_)
-        c.move(comp_.name, _renamed(w) + _renamed(b), ALLOC)
+        c.move(comp_.name, [*blocks_of(comp_)[0], *blocks_of(comp_)[1]], ALLOC)
     load_host = checkpoint_bytes + host_components
     if quantize and pipeline.quantize_on == "cpu":  # the quantized copy made beside the checkpoint, then moved
         load_host += sum(n for _, n in transformer_blocks)
@@ -708,6 +726,9 @@ def estimate_job(
                 add_run(c, x, "decode", batch_size, moved=placement(x) == "cpu")
             phases["decode"] = c.phase("decode", host_bytes=host_components, alloc_conf=alloc_conf)
 
+    if cuda:
+        empty_after = {"precompute", "validation"} if training else set()
+        _continuous_reserved(list(phases.values()), empty_after, alloc_conf)
     counts = {"transformer": int(step.meta["parameters"])}
     for x in comps:
         counts[x.name] = int(
@@ -726,6 +747,13 @@ def estimate_job(
         job.meta.update(gpu=card.key, gpu_name=card.name, usable_bytes=list(card.usable_bytes()), fits=verdict.fits,
                         verdict=verdict.status, headroom_bytes=verdict.headroom_bytes)  # fmt: skip
     return job
+
+
+_VAE_LOWER_BOUND = (
+    "a lower bound: the VAE's convolutions take cuDNN workspaces on a GPU (chosen at run time, CUDA-only), which "
+    "these CPU-kernel events do not hold; Flux's 1024x1024 decode in the HF quantization-backends blog peaks "
+    "1.4-1.6 GiB above this phase's reserved figure"
+)
 
 
 def _fix_categories(c: _Compose, step: Timeline) -> None:
@@ -804,3 +832,66 @@ def _quantize_on_device(model, quantize, *, size, dtype, device, seed) -> Timeli
         del handle
     tl.baseline_blocks = blocks
     return tl
+
+
+def _continuous_reserved(phases: Sequence[Phase], empty_after: set[str], alloc_conf: str) -> None:
+    """Replay the job's phases one after the other through one caching allocator, as the process runs them: a phase
+    starts with the segments the one before left cached (a pipeline call's encode, denoise and decode; training then
+    validation), unless the phase before it ends with ``free_memory()`` (``empty_after``: the training scripts
+    empty the cache after precomputing and after validation). Each phase's reserved series becomes its segment of
+    that replay. Between two phases the storages that change (a validation's inputs made, a component moved off) are
+    allocated or freed before the next phase's events, so the replay holds each phase's baseline."""
+    parts, spans, empties = [], [], []
+    live: dict[int, int] = {}
+    n = 0
+    for i, phase in enumerate(phases):
+        tl = phase.timeline
+        base = {int(k): int(b) for k, b, _ in tl.baseline_blocks or []}
+        if i and phases[i - 1].name in empty_after:
+            empties.append(n)
+        gone = [(k, b) for k, b in live.items() if k not in base]
+        new = [(k, b) for k, b in base.items() if k not in live]
+        for action, blocks in ((FREE, gone), (ALLOC, new)):
+            if blocks:
+                parts.append(_synthetic(blocks, action))
+                n += len(blocks)
+        for k, _ in gone:
+            del live[k]
+        live.update(new)
+        cols = {name: tl.column(name) for name in ("action", "bytes", "storage")}
+        parts.append({**cols, "device": np.zeros(len(cols["bytes"]), dtype=np.int16)})
+        spans.append((n, n + len(cols["bytes"])))
+        n += len(cols["bytes"])
+        for act, b, k in zip(cols["action"].tolist(), cols["bytes"].tolist(), cols["storage"].tolist(), strict=True):
+            if act == ALLOC:
+                live[k] = b
+            else:
+                live.pop(k, None)
+    names = ("action", "bytes", "device", "storage")
+    columns = {c: np.concatenate([p[c] for p in parts]) if parts else np.zeros(0) for c in names}
+    total = len(columns["bytes"])
+    whole = Timeline(
+        {
+            **columns,
+            "time": np.arange(total, dtype=np.float64),
+            "category": np.zeros(total, dtype=np.int8),
+            "phase": np.zeros(total, dtype=np.int8),
+        },
+        devices=["cuda"],
+    )
+    replay = replay_reserved(whole, alloc_conf=alloc_conf, empty_cache_at=empties)
+    series = replay.series
+    for phase, (a, b) in zip(phases, spans, strict=True):
+        before = int(series[a - 1]) if a else replay.baseline_bytes
+        phase.timeline.set_reserved(series[a:b].copy(), before)
+        phase.timeline.meta["peak_reserved_bytes"] = phase.timeline.peak_reserved_bytes
+        phase.timeline.meta["reserved"] = "continued from the phase before" if a else "from an empty device"
+
+
+def _synthetic(blocks: Sequence[tuple[int, int]], action: int) -> dict[str, np.ndarray]:
+    return {
+        "action": np.full(len(blocks), action, dtype=np.int8),
+        "bytes": np.array([b for _, b in blocks], dtype=np.int64),
+        "device": np.zeros(len(blocks), dtype=np.int16),
+        "storage": np.array([k for k, _ in blocks], dtype=np.int64),
+    }

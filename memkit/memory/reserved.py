@@ -56,7 +56,11 @@ def _is_cuda(name: str) -> bool:
 
 
 def replay_reserved(
-    timeline: Timeline, *, baseline_blocks: Iterable[tuple[int, int, int]] = (), alloc_conf: str = ""
+    timeline: Timeline,
+    *,
+    baseline_blocks: Iterable[tuple[int, int, int]] = (),
+    alloc_conf: str = "",
+    empty_cache_at: Iterable[int] = (),
 ) -> ReservedReplay:
     """Replay ``timeline``'s CUDA events through the caching allocator configured by ``alloc_conf`` (a
     ``PYTORCH_CUDA_ALLOC_CONF`` string; a bad option is a ValueError naming it) and return the reserved bytes.
@@ -65,7 +69,8 @@ def replay_reserved(
     the order they were allocated; they are allocated first (the baseline's bytes are a sum, the allocator needs
     each block). A free pairs with the allocation of its storage key, else with a baseline block of its size; one
     with neither is counted in ``unmatched_frees`` and left out. Every request is on stream 0 and the device has
-    no capacity limit, so nothing is released by an out-of-memory retry.
+    no capacity limit, so nothing is released by an out-of-memory retry. ``empty_cache_at``: event indices before
+    which ``torch.cuda.empty_cache()`` runs (the cached free segments given back: a script's ``free_memory()``).
 
     Example:
         >>> tl = memkit.estimate("flux", size="tiny")
@@ -75,13 +80,15 @@ def replay_reserved(
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _replay(timeline, baseline_blocks, alloc_conf)
+        return _replay(timeline, baseline_blocks, alloc_conf, frozenset(empty_cache_at))
     finally:
         if paused:
             gc.enable()
 
 
-def _replay(timeline: Timeline, baseline_blocks: Iterable[tuple[int, int, int]], alloc_conf: str) -> ReservedReplay:
+def _replay(
+    timeline: Timeline, baseline_blocks: Iterable[tuple[int, int, int]], alloc_conf: str, empty_at: frozenset[int]
+) -> ReservedReplay:
     CachingAllocator(alloc_conf)  # validates alloc_conf even when there is nothing to replay
     allocators = [CachingAllocator(alloc_conf) if _is_cuda(d) else None for d in timeline.devices]
     live: dict[int, tuple] = {}  # storage key -> (allocator, handle)
@@ -122,7 +129,13 @@ def _replay(timeline: Timeline, baseline_blocks: Iterable[tuple[int, int, int]],
     series: list[int] = []
     append = series.append
     unmatched = 0
-    for act, n, d, key in zip(*columns, strict=True):
+    for i, (act, n, d, key) in enumerate(zip(*columns, strict=True)):
+        if i in empty_at:
+            for x in allocators:
+                if x is not None:
+                    total -= x.reserved_bytes
+                    x.empty_cache()
+                    total += x.reserved_bytes
         a = allocators[d]
         if a is not None:
             before = a.reserved_bytes
