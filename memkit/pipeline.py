@@ -774,7 +774,7 @@ def _denoise(c: _Compose, tl: Timeline, pipeline: Pipeline, *, events_only: bool
     first pass's prediction kept through the second)."""
     inputs = [] if events_only else _renamed([(k, n) for k, n, _ in tl.baseline_blocks or [] if k in tl.input_keys])
     c.move("transformer", inputs, ALLOC, "input")  # validation: its inputs made after the prompt is encoded
-    held = [(k, n) for k, n, cat in _live_at_end(tl) if cat not in ("parameter", "input", "buffer")]
+    held = _output_blocks(tl)
     if pipeline.cfg == "separate":  # the first pass's prediction, kept through the second
         c.events(tl, "transformer", drop=True)
         held = _renamed(held)
@@ -806,6 +806,17 @@ def _releasing_replaced():
             yield
     finally:
         hook.remove()
+
+
+def _output_blocks(tl: Timeline) -> list[tuple[int, int]]:
+    """The prediction a denoising forward hands back: its window's last allocation (the output projection's), when
+    nothing frees it before the window ends."""
+    action, nbytes, key = (tl.column(c) for c in ("action", "bytes", "storage"))
+    allocs = np.flatnonzero(action == ALLOC)
+    if not len(allocs):
+        return []
+    last = int(allocs[-1])
+    return [(int(key[last]), int(nbytes[last]))]
 
 
 def _quantize_on_device(model, quantize, *, size, dtype, device, seed) -> Timeline:

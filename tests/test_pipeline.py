@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import memkit
+from memkit.memory.events import CUDA_BLOCK, round_alloc
 from memkit.pipeline import Pipeline, estimate_job, parse_validate
 
 PRESET = "flux"
@@ -177,3 +178,84 @@ def test_resident_components_and_validation_compose_as_a_real_run():
     )  # fmt: skip
     assert job.phases["training"].timeline.peak_bytes == real.peak_between(0, start)
     assert job.phases["validation"].timeline.peak_bytes == real.peak_between(start)
+
+
+def _real_inference(preset, cfg_batch: int):
+    """A tiny pipeline call on real CPU tensors as a script writes it: the prompt encoded by the resident text
+    encoders, one denoising step (the batch doubled under classifier-free guidance), the VAE decode."""
+    from memkit import _components
+
+    torch.manual_seed(0)
+    model = memkit.load_model(preset, size="tiny", dtype=torch.bfloat16)
+    comps = _components.components(preset)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        modules = {c.name: c.build("tiny") for c in comps}
+        sizes = dict(memkit.PRESETS[preset].input_sizes["tiny"])
+        owned = {"parameter": [p for m in modules.values() for p in m.parameters()]}
+        marks = []
+        with memkit.track(model, owned=owned) as tl:
+            for c in comps:
+                if c.role == "text_encoder":
+                    out = _components.run(c, modules[c.name], batch_size=2, sizes=sizes, part="encode")
+                    del out
+            marks.append(len(tl))
+            inputs = memkit.make_inputs(model, batch_size=2 * cfg_batch)
+            with torch.no_grad():
+                out = model(**inputs)
+            del out, inputs
+            marks.append(len(tl))
+            vae = next(c for c in comps if c.role == "vae")
+            image = _components.run(vae, modules[vae.name], batch_size=2, sizes=sizes, part="decode")
+            del image
+        return tl, marks
+    finally:
+        torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("cfg", [None, "batch"])
+def test_an_inference_job_composes_as_a_real_pipeline_call(cfg):
+    pytest.importorskip("memkit._components")
+    real, (denoise_at, decode_at) = _real_inference(PRESET, 2 if cfg == "batch" else 1)
+    job = estimate_job(
+        PRESET, Pipeline(text_encoders="gpu", vae="gpu", cfg=cfg), size="tiny", mode="inference", batch_size=2,
+        device="cpu", progress=False,
+    )  # fmt: skip
+    assert list(job.phases) == ["load", "encode", "denoise", "decode"]
+    assert job.phases["encode"].timeline.peak_bytes == real.peak_between(0, denoise_at)
+    assert job.phases["denoise"].timeline.peak_bytes == real.peak_between(denoise_at, decode_at)
+    assert job.phases["decode"].timeline.peak_bytes == real.peak_between(decode_at)
+
+
+def test_a_component_on_the_cpu_is_on_the_device_only_while_it_encodes():
+    pytest.importorskip("memkit._components")
+    jobs = {
+        where: estimate_job(PRESET, Pipeline(text_encoders=where, vae=where), size="tiny", progress=False)
+        for where in ("gpu", "cpu")
+    }
+    weights = jobs["gpu"].phases["load"].timeline.end_bytes - jobs["cpu"].phases["load"].timeline.end_bytes
+    gpu, cpu = (jobs[w].phases["training"] for w in ("gpu", "cpu"))
+    assert weights > 0
+    assert gpu.timeline.baseline_bytes - cpu.timeline.baseline_bytes == weights  # resident vs in host memory
+    assert cpu.host_bytes - gpu.host_bytes == weights
+    # encoding moves each component on and back: the phase ends as it began, less the step's own state
+    assert cpu.timeline.end_bytes == gpu.timeline.end_bytes - weights
+    # the T5 encode is the training phase's peak in both; on the CPU the other components are off the device then
+    others = gpu.baseline_by_component["text_encoder"] + gpu.baseline_by_component["vae"]
+    assert cpu.timeline.peak_bytes == gpu.timeline.peak_bytes - others
+    assert jobs["cpu"].peak_by_component["text_encoder_2"] > 0 == jobs["cpu"].peak_by_component["vae"]
+
+
+def test_separate_guidance_passes_hold_the_first_prediction_and_cost_less_than_a_doubled_batch():
+    jobs = {
+        cfg: estimate_job(PRESET, Pipeline(cfg=cfg), size="tiny", mode="inference", progress=False)
+        for cfg in (None, "separate", "batch")
+    }
+    one, two, doubled = (jobs[c].phases["denoise"].timeline for c in (None, "separate", "batch"))
+    assert one.peak_bytes < two.peak_bytes < doubled.peak_bytes
+    # the second pass runs beside the first's prediction, the shape of the latents (Flux: packed tokens x 64)
+    model = memkit.load_model(PRESET, size="tiny", dtype=torch.bfloat16)
+    latents = memkit.make_inputs(model)["hidden_states"]
+    assert two.peak_bytes - one.peak_bytes == round_alloc(latents.numel() * 2, CUDA_BLOCK)
+    assert jobs["separate"].phases["denoise"].note == "two passes; the first's prediction kept"
