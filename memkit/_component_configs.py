@@ -46,7 +46,7 @@ _CLIP_G = _CLIP_L | dict(
 )  # fmt: skip
 _CLIP_TINY = _CLIP_L | dict(
     vocab_size=1000, hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
-    num_attention_heads=4,
+    num_attention_heads=4, bos_token_id=0, eos_token_id=2, pad_token_id=1,  # inside the tiny vocabulary
 )  # fmt: skip
 
 # black-forest-labs/FLUX.1-dev vae/config.json (Chroma's too): 16 latent channels, no quant convs

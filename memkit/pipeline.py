@@ -670,8 +670,9 @@ def estimate_job(
         phases["training"] = c.phase("training", host_bytes=step_host + host_components, alloc_conf=alloc_conf)
         end_state = _live_at_end(step)
         if pipeline.validate is not None:
+            training_only = ("optimizer", "steps", "grad_accum", "fused_backward", "optimizer_on", "offload_gradients")
             val = estimate(model, mode="inference", **{
-                **step_kwargs, "batch_size": denoise_batch,
+                **{k: v for k, v in step_kwargs.items() if k not in training_only}, "batch_size": denoise_batch,
                 "optimizations": [o for o in optimizations if _inference_kept(o)],
             })  # fmt: skip
             c = new()

@@ -354,3 +354,38 @@ def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
         code = proc.wait(timeout=300)
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert code in (0, 141)  # 141 = 128 + SIGPIPE when the pipe closed before the end
+
+
+def test_the_job_flags_break_the_peak_down_by_phase_and_component(capsys):
+    argv = ["estimate", "flux", "--size", "tiny", "--lora", "4", "--text-encoders", "cpu", "--vae", "gpu",
+            "--validate", "100:4", "--json"]  # fmt: skip
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    result = json.loads(out)
+    assert list(result["peak_by_phase"]) == ["load", "training", "validation", "saving"]
+    assert set(result["peak_by_component"]) == {"transformer", "text_encoder", "text_encoder_2", "vae"}
+    assert result["peak_phase"] in result["peak_by_phase"]
+    peak = result["peak_by_phase"][result["peak_phase"]]
+    assert result["job_peak_reserved_bytes"] == peak["reserved"] >= result["peak_reserved_bytes"]
+    assert result["host_peak_bytes"] >= result["peak_by_phase"]["training"]["host"] > 0  # the text encoders
+    assert result["pipeline"] == "text encoders cpu, VAE gpu, validate 100:4"
+    code, out, err = _run(capsys, *argv[:-1])  # the table names the phases and the job's peak
+    assert code == 0, err
+    assert "by phase: allocated / reserved / host" in out and "<- the job's peak" in out
+    assert "text_encoder_2" in out and "host memory, the job's most" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--text-encoders", "disk"], "argument --text-encoders: invalid choice: 'disk'"),
+        (["--validate", "100"], "--validate 100: validate must be EVERY:STEPS"),
+        (["--inference", "--validate", "10:2"], "--validate samples during training"),
+        (["--cfg", "batch"], "--cfg applies to --inference and to --validate's denoising step"),
+        (["--quantize-on", "gpu"], "--quantize-on goes with --quantize METHOD"),
+        (["--inference", "--precompute"], "--precompute is a phase of a training job"),
+    ],
+)
+def test_bad_job_flags_say_what_is_allowed(capsys, flags, message):
+    code, _, err = _run(capsys, "estimate", "flux", "--size", "tiny", *flags)
+    assert code == 2 and message in err and "Traceback" not in err
