@@ -506,6 +506,9 @@ def estimate_job(
     pipeline = Pipeline() if pipeline is None else pipeline
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be a memkit.Pipeline or None, got {type(pipeline).__name__}")
+    given_step = kwargs.get("step")  # a memkit.Step says the mode itself
+    if given_step is not None:
+        mode = given_step.mode
     if mode not in ("training", "inference"):
         raise ValueError(f"mode must be 'training' or 'inference', got {mode!r}")
     training = mode == "training"
@@ -540,9 +543,13 @@ def estimate_job(
     )  # fmt: skip
     denoise_batch = batch_size * (2 if pipeline.cfg == "batch" else 1)
     if training:
-        step = estimate(model, mode="training", **step_kwargs)
+        step = estimate(model, **({} if given_step is not None else {"mode": "training"}), **step_kwargs)
     else:
-        step = estimate(model, mode="inference", **{**step_kwargs, "batch_size": denoise_batch})
+        step = estimate(
+            model,
+            **({} if given_step is not None else {"mode": "inference"}),
+            **{**step_kwargs, "batch_size": denoise_batch},
+        )
     step_dtype = getattr(torch, step.meta["dtype"])
     comp_dtype = torch.bfloat16 if step.meta.get("mixed_precision") else step_dtype
     sizes = {}
@@ -670,7 +677,8 @@ def estimate_job(
         phases["training"] = c.phase("training", host_bytes=step_host + host_components, alloc_conf=alloc_conf)
         end_state = _live_at_end(step)
         if pipeline.validate is not None:
-            training_only = ("optimizer", "steps", "grad_accum", "fused_backward", "optimizer_on", "offload_gradients")
+            training_only = ("step", "optimizer", "steps", "grad_accum", "fused_backward", "optimizer_on",
+                             "offload_gradients")  # fmt: skip
             val = estimate(model, mode="inference", **{
                 **{k: v for k, v in step_kwargs.items() if k not in training_only}, "batch_size": denoise_batch,
                 "optimizations": [o for o in optimizations if _inference_kept(o)],

@@ -758,3 +758,22 @@ def test_the_allocator_settings_reach_the_estimate_and_a_bad_one_is_a_message():
     state = _state(estimate_size="tiny", gpu="rtx9999")  # an unknown card: a message listing the known ones
     result = state.estimate()
     assert result.status == "error" and "unknown gpu 'rtx9999'" in result.message and "4090" in result.message
+
+
+def test_the_component_placements_reach_the_estimate_as_the_jobs_training_phase():
+    from memkit.pipeline import Pipeline, estimate_job
+
+    shown = {}
+    for where in ("precomputed", "gpu"):
+        state = _state(preset="flux", estimate_size="tiny", optimizer="adamw", text_encoders=where, vae=where)
+        result = state.estimate()
+        assert result.ok, result.message
+        shown[where] = result.comparison.results["baseline"].timeline
+    job = estimate_job("flux", Pipeline(text_encoders="gpu", vae="gpu"), size="tiny", progress=False)
+    assert shown["gpu"].peak_bytes == job.phases["training"].timeline.peak_bytes > shown["precomputed"].peak_bytes
+    resident = sum(job.phases["training"].baseline_by_component[c] for c in job.components[1:])
+    assert shown["gpu"].baseline_bytes - shown["precomputed"].baseline_bytes == resident > 0
+    assert shown["gpu"].meta["pipeline"] == "text encoders gpu, VAE gpu" and "pipeline" not in shown["precomputed"].meta
+    state = _state(preset="dit", estimate_size="tiny", text_encoders="gpu")  # DiT's pipeline has no text encoder
+    result = state.estimate()
+    assert not result.ok and "has no catalog of pipeline components" in result.message

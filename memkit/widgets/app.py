@@ -135,6 +135,9 @@ class Playground:
         c["offload_gradients"] = widgets.Checkbox(
             value=s.offload_gradients, description="offload gradients", indent=False
         )
+        placements = [("precomputed", "precomputed"), ("on the GPU", "gpu"), ("on the CPU", "cpu")]
+        c["text_encoders"] = widgets.Dropdown(options=placements, value=s.text_encoders, description="text enc.")
+        c["vae"] = widgets.Dropdown(options=placements, value=s.vae, description="VAE")
         c["repeats"] = widgets.BoundedIntText(value=s.repeats, min=0, max=50, description="timed steps")
         c["variants"] = widgets.ToggleButtons(options=list(VARIANT_MODES), value=s.variants, description="variants")
         gpu_menu = gpu_options()
@@ -165,6 +168,10 @@ class Playground:
             "CPUOffloadOptimizer): off the estimate's GPU timeline; not with fused backward",
             "offload_gradients": "with the optimizer on the CPU: each device gradient freed once copied to the host "
             "(torchao's offload_gradients); not with grad accum > 1",
+            "text_encoders": "Estimate: where the pipeline's text encoders live (memkit.Pipeline): precomputed (not "
+            "loaded, the cached embeddings are the inputs), on the GPU (resident, encoding each batch) or on the CPU "
+            "(moved on to encode); the timeline is then the job's training phase, the components beside the step",
+            "vae": "Estimate: where the pipeline's VAE lives, as the text encoders",
             "repeats": "Run: untracked steps per variant timed for the 'step (s)' column (0: no timing)",
             "variants": "together: one variant with every enabled optimization; each: one variant per optimization",
             "gpu": "Estimate: judge each variant's peak reserved bytes against this card's usable memory (its total as "
@@ -232,7 +239,7 @@ class Playground:
         tuning = [n for n in self.panels if REGISTRY[n].section == "fine-tuning"]
         self.finetuning_grid = widgets.GridBox(
             [c[k] for k in ("optimizer", "grad_accum", "mixed_precision", "fused_backward", "optimizer_on")]
-            + [c["offload_gradients"]]
+            + [c["offload_gradients"], c["text_encoders"], c["vae"]]
             + [self.panels[n].view for n in tuning],
             layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px"),
         )

@@ -105,6 +105,8 @@ class PlaygroundState:
         estimate_size: Literal["tiny", "small", "full"] = "full",
         gpu: str | None = None,
         alloc_conf: str = "",
+        text_encoders: str = "precomputed",
+        vae: str = "precomputed",
         interval: float = 0.5,
         registry: Mapping[str, Any] | None = None,
     ) -> None:
@@ -117,6 +119,9 @@ class PlaygroundState:
         self.variants, self.seed, self.tolerance = variants, seed, tolerance
         self.estimate_size, self.interval = estimate_size, interval
         self.gpu, self.alloc_conf = gpu, alloc_conf
+        self.text_encoders, self.vae = text_encoders, vae
+        """Estimate only: where the preset pipeline's text encoders and VAE live (:class:`memkit.Pipeline`): the
+        variants' timelines are then the job's training (or denoising) phase, the components beside the step."""
         """Estimate only: the card its reserved peak is judged against (None: none), the PYTORCH_CUDA_ALLOC_CONF."""
         self.sizes: dict[str, int | None] = dict.fromkeys(INPUT_SIZES)
         """Input sizes typed by the user; None: the preset's default at the size being built."""
@@ -398,6 +403,8 @@ class PlaygroundState:
             else:
                 progress.stage(f"{name}: estimated earlier in this session")
                 rejudge([tl], gpu)  # as estimate(gpu=) judges its own cached copies
+            if (self.text_encoders, self.vae) != ("precomputed", "precomputed"):
+                tl = self._with_components(tl, step, others, parallel, dtype, sizes, conf, gpu)
             tl.meta.update(label=name)
             if tl.meta["cached"]:
                 live(tl)  # shown as a run's final state is
@@ -406,6 +413,22 @@ class PlaygroundState:
         for name, optimizations in runs.items():
             comparison.results[name].optimizations = list(optimizations)
         return comparison
+
+    def _with_components(self, tl, step, optimizations, parallel, dtype, sizes, conf, gpu):
+        """The step's timeline with the pipeline's components placed as the Fine-tuning panel says: the job's
+        training (or denoising) phase (:func:`memkit.estimate_job`), its meta the step's and the job's figures."""
+        from ..pipeline import Pipeline, estimate_job
+        from .verdict import rejudge
+
+        pipeline = Pipeline(text_encoders=self.text_encoders, vae=self.vae)
+        job = estimate_job(
+            self.preset, pipeline, size=self.estimate_size, step=step, optimizations=optimizations, dtype=dtype,
+            batch_size=self.batch_size, seed=self.seed, parallel=parallel, alloc_conf=conf, progress=False, **sizes,
+        )  # fmt: skip
+        phase = job.phases["training" if step.training else "denoise"].timeline.copy()
+        phase.meta = {**tl.meta, **phase.meta, **job.summary(), "pipeline": str(pipeline)}
+        rejudge([phase], gpu)
+        return phase
 
     def __repr__(self) -> str:
         on = [s.name for s in self.optimizations.values() if s.enabled]
