@@ -376,3 +376,16 @@ def test_full_flux_memoized_estimate_equals_every_block(method):
     assert not memkit.estimate("flux", size="tiny", optimizations=[Quantize(), memkit.LoRA()], progress=False).meta[
         "memoized"
     ]
+
+
+def test_a_library_version_without_the_method_names_the_version_needed_and_leaves_the_model(monkeypatch):
+    pytest.importorskip("torchao")
+    import torchao.quantization as ao
+
+    model = memkit.load_model("flux", size="tiny", dtype=torch.bfloat16)
+    before = {n: p for n, p in model.named_parameters()}
+    monkeypatch.delattr(ao, "Int8WeightOnlyConfig")  # as in torchao < 0.9
+    with pytest.raises(ImportError, match=r"quantize int8wo needs torchao >= 0\.9 \(its Int8WeightOnlyConfig\)"):
+        Quantize(method="int8wo").apply(model)
+    assert {n: p for n, p in model.named_parameters()} == before  # the same parameter objects, nothing replaced
+    assert not getattr(model, "is_quantized", False)

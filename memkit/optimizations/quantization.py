@@ -239,7 +239,15 @@ def _refuse_quantized(model: nn.Module) -> None:
 def _layerwise(model: nn.Module, storage: torch.dtype, compute: torch.dtype, skip: tuple[str, ...]):
     """diffusers' ``enable_layerwise_casting`` on ``model`` (fake tensors: ``Module.to`` through
     :func:`memkit._torch_compat.fake_module_to_in_place`); returns the undo (hooks off, original weights back)."""
-    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN, apply_layerwise_casting
+    try:
+        from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN, apply_layerwise_casting
+    except ImportError:  # layerwise casting came with diffusers 0.33
+        import diffusers
+
+        raise ImportError(
+            f"quantize fp8-storage needs diffusers >= 0.33 (its layerwise casting); diffusers {diffusers.__version__} "
+            'is installed: pip install -U "diffusers>=0.33"'
+        ) from None
 
     from .._torch_compat import fake_module_to_in_place
 
@@ -293,7 +301,19 @@ def _torchao(model: nn.Module, method: str, skip: list[str]):
     from .._lazy import quiet_imports
 
     with quiet_imports():
-        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        import torchao.quantization as ao
+
+    wanted = "Int8WeightOnlyConfig" if method == "int8wo" else "Float8WeightOnlyConfig"
+    if not hasattr(ao, wanted):  # the config API came with torchao 0.9 (before: int8_weight_only() functions)
+        import torchao
+
+        raise ImportError(
+            f"quantize {method} needs torchao >= 0.9 (its {wanted}); torchao {torchao.__version__} is installed: "
+            'pip install -U "torchao>=0.9"'
+        )
+    Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_ = (
+        getattr(ao, "Float8WeightOnlyConfig", None), getattr(ao, "Int8WeightOnlyConfig", None), ao.quantize_
+    )  # fmt: skip
 
     config = Int8WeightOnlyConfig() if method == "int8wo" else Float8WeightOnlyConfig()
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
