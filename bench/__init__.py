@@ -40,6 +40,7 @@ BENCHMARKS: tuple[str, ...] = (
     "fsdp",
     "optimizers",
     "recipes",
+    "pipeline",
 )
 """Benchmark module names, in run order."""
 

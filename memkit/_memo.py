@@ -33,6 +33,7 @@ probe's events do not fit the splice (:class:`Unsupported`), the estimate runs e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,7 +102,7 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -
     for o in optimizations:
         if isinstance(o, (FFSplit, LoRA)):  # the same adapters in every block of a list
             continue
-        if isinstance(o, Quantize) and o.method in ("fp8-storage", "int8wo", "float8wo"):  # the parameters themselves
+        if isinstance(o, Quantize):  # the parameters themselves, bitsandbytes' quant states beside them in each block
             continue
         if isinstance(o, Checkpointing):
             if o.budget_bytes is not None or not isinstance(o.pattern, str) or o.pattern not in ("all", "none"):
@@ -327,7 +328,8 @@ class Tagger:
         keys = {}
         for li, (_, _, blocks) in enumerate(self.lists):
             for b, block in enumerate(blocks):
-                for t in (*block.parameters(), *block.buffers()):
+                # bitsandbytes' quant states (absmax, code; LLM.int8's row scales) sit beside each quantized weight
+                for t in (*block.parameters(), *block.buffers(), *_quant_states(block)):
                     keys.update(dict.fromkeys(storages(t), (li, b)))
                     grad = getattr(t, "grad", None)
                     if grad is not None:
@@ -449,6 +451,18 @@ class Tagger:
             self.owner.pop(row[8], None)
 
 
+def _quant_states(block: nn.Module) -> list[torch.Tensor]:
+    from .optimizations._bnb import state_tensors
+
+    return state_tensors(block)
+
+
+def _weights(p: torch.Tensor) -> int:
+    """The weights a parameter stands for (a 4-bit one: its quant state's shape), as the estimate counts them."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return int(math.prod(shape)) if shape is not None else p.numel()
+
+
 def parameters(
     lists: list[tuple[str, int, nn.ModuleList]], probe_parameters: int, *, trainable: bool = False, nbytes: bool = False
 ) -> int:
@@ -457,7 +471,7 @@ def parameters(
     extra = sum(
         (n - PROBE)
         * sum(
-            p.numel() * (p.element_size() if nbytes else 1)
+            p.numel() * p.element_size() if nbytes else _weights(p)
             for p in blocks[1].parameters()
             if p.requires_grad or not trainable
         )

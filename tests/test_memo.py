@@ -145,6 +145,9 @@ SETTINGS = {
     # a quantized base whose state is the parameters themselves (layerwise casting, torchao): spliced from the probe
     "fp8-storage-lora": dict(optimizations=[memkit.Quantize(method="fp8-storage"), memkit.LoRA(rank=4)]),
     "int8wo-lora": dict(optimizations=[memkit.Quantize(method="int8wo"), memkit.LoRA(rank=4)]),
+    # bitsandbytes' quant states (absmax, code, the nested level) belong to their blocks as the weights do
+    "nf4-lora": dict(optimizations=[memkit.Quantize(method="nf4"), memkit.LoRA(rank=4)]),
+    "nf4-dq-lora": dict(optimizations=[memkit.Quantize(method="nf4-dq"), memkit.LoRA(rank=4)]),
 }
 
 
@@ -154,7 +157,7 @@ SETTINGS = {
 FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "inference": "ltx-video",
                "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video",
                "dora-checkpointing": "wan", "fused-backward": "wan", "grad-accum-2": "wan",
-               "int8wo-lora": "wan"}  # fmt: skip
+               "int8wo-lora": "wan", "nf4-lora": "wan", "nf4-dq-lora": "wan"}  # fmt: skip
 
 
 def _pairs_of(presets, settings, fast):

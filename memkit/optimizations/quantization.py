@@ -33,9 +33,9 @@ are not the model's and are not counted (a training script frees them).
 Estimates (fake tensors) run the libraries' own code through :mod:`memkit.optimizations._bnb` (bitsandbytes'
 ``Params4bit``/``Int8Params`` refuse fake tensors; its ``gemm_4bit`` kernel hides a temporary from the tracker) and
 follow the CPU dispatch of each library's ops: where CUDA takes another kernel (LLM.int8's int8 matmul above; a
-torchao kernel of its own) an estimate for ``"cuda"`` holds the CPU path's temporaries. bitsandbytes' quant states
-are tensors beside the parameters, so its estimates run every block (full Flux: ~30 s); the other methods are
-memoized.
+torchao kernel of its own) an estimate for ``"cuda"`` holds the CPU path's temporaries. Estimates are memoized
+(bitsandbytes' quant states belong to their blocks as the weights do); LLM.int8 on Flux runs every block (its
+probe's events do not split into blocks).
 
 Example:
     >>> with memkit.handle.apply_all(model, [memkit.Quantize(method="nf4"), memkit.LoRA(rank=16)]) as handle:
