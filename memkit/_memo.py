@@ -457,7 +457,7 @@ def _quant_states(block: nn.Module) -> list[torch.Tensor]:
     return state_tensors(block)
 
 
-def _weights(p: torch.Tensor) -> int:
+def weights(p: torch.Tensor) -> int:
     """The weights a parameter stands for (a 4-bit one: its quant state's shape), as the estimate counts them."""
     shape = getattr(getattr(p, "quant_state", None), "shape", None)
     return int(math.prod(shape)) if shape is not None else p.numel()
@@ -471,7 +471,7 @@ def parameters(
     extra = sum(
         (n - PROBE)
         * sum(
-            p.numel() * p.element_size() if nbytes else _weights(p)
+            p.numel() * p.element_size() if nbytes else weights(p)
             for p in blocks[1].parameters()
             if p.requires_grad or not trainable
         )

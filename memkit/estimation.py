@@ -35,7 +35,6 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_flatten
@@ -177,11 +176,10 @@ def estimate(
 
     Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count
     (``parameters``; ``trainable_parameters``: those the step trains, e.g. only the adapters under
-    :class:`memkit.LoRA`, 0 in inference),
-    ``trainable_bytes`` (their bytes), ``measured`` (``"first and steady"``, ``"first"``, ``"steady"`` or
-    ``"inference"``), ``step_starts`` (the
-    index of each measured step's first event), ``first_step_peak_bytes`` and ``steady_peak_bytes`` (None where
-    that step was not measured; in inference both are the one pass's peak: no state lives across passes),
+    :class:`memkit.LoRA`, 0 in inference; ``trainable_bytes``: their bytes), ``measured`` (``"first and steady"``,
+    ``"first"``, ``"steady"`` or ``"inference"``), ``step_starts`` (the index of each measured step's first event),
+    ``first_step_peak_bytes`` and ``steady_peak_bytes`` (None where that step was not measured; in inference both
+    are the one pass's peak: no state lives across passes),
     ``host_bytes`` (category -> bytes the optimizations keep in host memory, off a ``"cuda"`` peak: an
     offloaded EMA's shadows, the most offloaded checkpoint inputs alive at once as ``"activation"``, offloaded
     weights as ``"parameter"``; under ``FSDP(cpu_offload=True)`` rank 0's parameter shards as ``"parameter"``,
@@ -433,14 +431,12 @@ def _measure(
             # inputs that keep their values (attention masks): Mochi finds its valid tokens by nonzero of its mask,
             # HunyuanVideo 1.5 indexes tokens by masks, Lumina2 sums its mask into caption lengths (.tolist())
             stack.enter_context(known_values(kwargs))
-            input_keys = frozenset(
-                t.untyped_storage()._cdata for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor)
-            )
+            input_keys = frozenset(t.untyped_storage()._cdata for t in tree_flatten(kwargs)[0] if torch.is_tensor(t))
             runner = step.bind(net, handle)
             if parallel is not None:  # the DTensor optimizer's very ops, minus DTensor's O(N²) dispatch of foreach
                 runner.optimizer = on_local_shards(runner.optimizer)
             # counted while the optimizations are applied (LoRA's adapters exist, the base is frozen)
-            params = sum(_weights(p) for p in net.parameters())
+            params = sum(_memo.weights(p) for p in net.parameters())  # a 4-bit one: the weights it stands for
             trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
             trained_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
             if lists:
@@ -490,14 +486,6 @@ def _measure(
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
     return timeline, starts, (params, trainable, trained_bytes), host_bytes, sum(plan.disk), base_blocks, input_keys
-
-
-def _weights(p: torch.Tensor) -> int:
-    """The weights a parameter stands for: a 4-bit one (bitsandbytes' packed codes, two per byte) its quant state's
-    shape, any other its own element count."""
-    state = getattr(p, "quant_state", None)
-    shape = getattr(state, "shape", None)
-    return int(np.prod(shape)) if shape is not None else p.numel()
 
 
 def _active_tracker():
