@@ -6,8 +6,8 @@ its phases: the components' runs on fake tensors (T5-XXL, CLIP-L, the VAE; each 
 the composition, and one caching-allocator replay through the phases. ``job / step`` is the job's seconds over the
 step's (what a pipeline costs on top of the step, in the same process); ``again`` repeats the job (components cached).
 The figures are each job's peak reserved bytes and the phase that sets it; ``host`` the most host memory a phase
-holds. The quantized row times its own step (bitsandbytes runs every block) and its job quantizes on the GPU (the
-real library on the full fake model, tracked).
+holds. The quantized row times its own step (memoized) and its job quantizes on the GPU (the real library on the
+full fake model, tracked, every time: not cached).
 """
 
 from __future__ import annotations

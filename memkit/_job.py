@@ -13,7 +13,12 @@ from .memory.timeline import Timeline
 
 @dataclasses.dataclass
 class Phase:
-    """One phase of a job: its device timeline, which component each byte belongs to, and its host memory."""
+    """One phase of a job: its device timeline, which component each byte belongs to, and its host memory.
+
+    Example:
+        >>> phase = memkit.estimate_job("flux", memkit.Pipeline(validate=(100, 28))).phases["validation"]
+        >>> phase.peak_reserved_bytes, phase.host_bytes, phase.note
+    """
 
     name: str
     timeline: Timeline
