@@ -101,8 +101,17 @@ class Component:
         fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         empty = fake or torch.get_default_device().type == "meta"
         if self.library == "transformers":
-            import transformers
-            from transformers.initialization import no_init_weights
+            try:
+                import transformers
+            except ImportError:
+                raise ImportError(
+                    f"{self.preset}'s {self.name} is a transformers {self.class_name}: pip install "
+                    '"memkit[finetune]" (or transformers) to place text encoders'
+                ) from None
+            try:
+                from transformers.initialization import no_init_weights
+            except ImportError:  # transformers 4
+                from transformers.modeling_utils import no_init_weights
 
             cls = getattr(transformers, self.class_name)
             with no_init_weights() if empty else contextlib.nullcontext():
