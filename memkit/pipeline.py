@@ -57,7 +57,30 @@ from ._phases import (
 )
 from .memory.events import ALLOC, FREE
 
-__all__ = ["PLACEMENTS", "CFG", "QUANTIZE_ON", "Pipeline", "Job", "Phase", "estimate_job", "parse_validate"]
+__all__ = [
+    "PLACEMENTS",
+    "CFG",
+    "QUANTIZE_ON",
+    "Pipeline",
+    "Job",
+    "Phase",
+    "components",
+    "estimate_job",
+    "parse_validate",
+]
+
+
+def components(preset: str) -> tuple:
+    """The text encoders and the VAE of ``preset``'s pipeline, in its order: each a ``Component`` with its released
+    config, parameter count and the published figure it was checked against (a ValueError for a preset without a
+    catalog names those with one).
+
+    Example:
+        >>> [(c.name, c.class_name, c.parameters) for c in memkit.pipeline.components("flux")]
+    """
+    from ._components import components as catalog
+
+    return catalog(preset)
 
 
 PLACEMENTS = ("precomputed", "gpu", "cpu")
@@ -185,8 +208,9 @@ def estimate_job(
     timeline, with the pipeline's components placed as ``pipeline`` says (see :mod:`memkit.pipeline`).
 
     Args:
-        model: a preset name (the components come from the preset's pipeline: :func:`memkit.pipeline.components`).
-            A model that is no preset can only be estimated with the default ``Pipeline()`` (the transformer alone).
+        model: a preset name (the components come from the preset's pipeline: :func:`memkit.pipeline.components`;
+            at ``size="full"`` their released configs, at another size their tiny ones). A model that is no preset,
+            or a preset without a catalog, takes only the default ``Pipeline()`` (the transformer alone).
         pipeline: a :class:`Pipeline`; None is ``Pipeline()``: the transformer alone, its inputs precomputed (the
             phases are then load, training and saving; the training phase is :func:`memkit.estimate`'s).
         size, mode, batch_size, dtype, device, optimizations, alloc_conf, progress, **kwargs: as
@@ -226,7 +250,7 @@ def estimate_job(
         raise ValueError(f"gpu={gpu!r} judges a device='cuda' estimate's reserved peak; got device={device!r}")
     comps: tuple = ()
     preset = None
-    if pipeline.components_used or not training:
+    if pipeline.components_used:
         from .naming import resolve
 
         ref = resolve(model) if isinstance(model, (str, os.PathLike)) else None

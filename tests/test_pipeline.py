@@ -259,3 +259,13 @@ def test_separate_guidance_passes_hold_the_first_prediction_and_cost_less_than_a
     latents = memkit.make_inputs(model)["hidden_states"]
     assert two.peak_bytes - one.peak_bytes == round_alloc(latents.numel() * 2, CUDA_BLOCK)
     assert jobs["separate"].phases["denoise"].note == "two passes; the first's prediction kept"
+
+
+def test_a_preset_without_a_catalog_takes_the_default_pipeline_in_both_modes():
+    for mode in ("training", "inference"):
+        job = estimate_job("dit", size="tiny", mode=mode, progress=False)
+        assert job.components == ["transformer"]
+        assert list(job.phases) == (["load", "training", "saving"] if mode == "training" else ["load", "denoise"])
+    with pytest.raises(ValueError, match=r"preset='dit' has no catalog of pipeline components; those with one: \["):
+        estimate_job("dit", Pipeline(vae="gpu"), size="tiny")
+    assert [c.name for c in memkit.pipeline.components("flux")] == ["text_encoder", "text_encoder_2", "vae"]
