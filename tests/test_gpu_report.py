@@ -41,6 +41,7 @@ def test_without_cuda_tests_gpu_is_skipped_in_one_line():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI time (18 s, a subprocess collecting tests/gpu); make test-gpu collects them on a GPU
 def test_the_gpu_tests_import_and_collect_on_a_cpu_machine():
     run = _pytest("tests/gpu", "-q", "--collect-only", MEMKIT_GPU_COLLECT="1")
     assert run.returncode == 0, run.stdout + run.stderr

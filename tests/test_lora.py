@@ -266,6 +266,7 @@ def test_compare_holds_lora_to_its_own_rule():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI time (27 s): the README table re-estimated in make test-extended
 def test_the_readme_lora_table_is_what_the_estimates_say(capsys):
     # each row's command, run: its steady-step peak (allocated, "cuda") and trainable count as the README prints them
     import json

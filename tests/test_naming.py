@@ -89,6 +89,7 @@ def test_a_class_without_a_preset_is_refused_for_its_inputs_and_estimated_with_g
     assert params > 0 and tl.peak_bytes > params * 2 * 4  # bf16 weights, gradients and AdamW's two moments
 
 
+@pytest.mark.extended  # CI time (16 s): HiDream is no preset; its refusal is test_estimate's value-sized forward
 def test_hidream_is_refused_for_its_expert_routing_whatever_its_inputs(tmp_path, capsys):
     # its mixture of experts sizes each expert's tokens by the router's choices (tests/test_estimate.py runs both modes)
     config = dict(patch_size=2, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,

@@ -333,7 +333,7 @@ def test_an_estimate_of_tiny_flux_equals_the_real_tracked_run(name):
 # In CI: one optimizer per state layout (fp32 moments, bitsandbytes' 8-bit blocks, paged host moments, factored
 # rows and columns); the others in `make test-extended` (~10-25 s each at full size). Their state at tiny size is
 # checked against the library in CI (test_state_after_one_real_step_is_what_the_library_keeps).
-FULL_SIZE_CI = {"adamw", "adamw8bit", "paged-adamw8bit", "came"}
+FULL_SIZE_CI = {"adamw", "adamw8bit", "came"}  # paged-adamw8bit (18 s): its state is adamw8bit's, in make test-extended
 
 
 @pytest.mark.slow

@@ -320,6 +320,7 @@ def test_mixed_precision_with_fp32_adapters_on_a_frozen_bf16_base_equals_real_st
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI time (23 s): the README figure re-estimated in make test-extended
 def test_the_readme_figure_of_the_lora_mixed_precision_recipe():
     # README, "The training recipe": full Flux, a frozen bf16 base, fp32 adapters, autocast (every block runs: ~25 s)
     tl = memkit.estimate(
