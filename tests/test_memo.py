@@ -102,7 +102,7 @@ def both(model, **kwargs) -> tuple[memkit.Timeline, memkit.Timeline]:
     return memkit.estimate(model, **kwargs), memkit.estimate(model, memoize=False, **kwargs)
 
 
-# CI time: LTX-2 (15 s, the largest probe) in make test-extended; its blocks are LTX-Video's kind, spliced in CI
+# CI time: LTX-2 (15 s, the largest probe) is spliced in make test-extended only
 @pytest.mark.parametrize(
     "preset", [p if p != "ltx-2" else pytest.param(p, marks=pytest.mark.extended) for p in sorted(LAYERS)]
 )
