@@ -18,6 +18,34 @@ source and a spread, and the verdict says which side of the spread an estimate f
   the caching allocator once per handle and stream: it is in the real run's reserved memory, not in the estimate of
   the step's tensors. cuDNN's convolution workspaces (UNets) are transient and not modelled.
 
+For a step-time model each card also carries its peak compute and bandwidth (`GPU.flops_for`, ``memory_bandwidth``,
+``host_link``, ``nvlink``), from its vendor's datasheet or whitepaper (each card's ``spec_source`` quotes it; the data
+is :mod:`memkit._gpu_catalog`'s). FLOP/s are *dense*: a sheet that prints only the 2:4-sparsity figure is halved.
+GeForce cards (3090, 4090, 5090) run FP16/BF16/FP8 tensor math with FP32 accumulate at half the FP16-accumulate rate:
+the FP32-accumulate figure is kept, as PyTorch's matmuls accumulate in FP32. Links are per direction (PCIe x16 at
+15.75/31.5/63 GB/s for Gen3/4/5, after encoding). "-": the card has none; "?": not found in the sources read.
+
+=========  =====  =====  ======  ======  ======  =====  =====  ======  ================================================
+card        fp32   tf32    bf16    fp16     fp8  GB/s   PCIe   NVLink  source (TFLOP/s dense; GB/s; "/2": sparse halved)
+=========  =====  =====  ======  ======  ======  =====  =====  ======  ================================================
+t4           8.1      -       -      65       -    320  Gen3       -   NVIDIA T4 datasheet (mixed precision FP16/FP32)
+l4          30.3     60     121     121   242.5    300  Gen4       -   NVIDIA L4 datasheet (tensor rows /2)
+a10g           ?      ?       ?       ?       -    600  Gen4       -   no A10G datasheet; 600 GB/s: Baseten, A10 vs A10G
+3090        35.6   35.6      71      71       -    936  Gen4   56.25   GA102 whitepaper, appendix A (FP32 accumulate)
+4090        82.6   82.6   165.2   165.2   330.3   1008  Gen4       -   Ada whitepaper v2.02+, appendix A (FP32 acc.)
+5090       104.8      ?   209.5   209.5     419   1792  Gen5       -   RTX Blackwell whitepaper v1.1, app. A (FP32 acc.)
+l40s        91.6    183  362.05  362.05     733    864  Gen4       -   NVIDIA L40S datasheet (its dense column)
+a100-40gb   19.5    156     312     312       -   1555  Gen4     300   NVIDIA A100 datasheet (tensor: dense column)
+a100-80gb   19.5    156     312     312       -   2039  Gen4     300   NVIDIA A100 datasheet (80GB SXM)
+h100        66.9  494.7   989.4   989.4  1978.9   3350  Gen5     450   H100 whitepaper v1.04 table 3; H100 datasheet
+h200          67  494.5   989.5   989.5    1979   4800  Gen5     450   NVIDIA H200 datasheet, SXM (tensor rows /2)
+b200          75   1100    2250    2250    4500   7700  Gen5     900   NVIDIA Blackwell datasheet, HGX B200 (tensor /2)
+mi300x     163.4  653.7  1307.4  1307.4  2614.9   5300  Gen5       -   AMD Instinct MI300X datasheet (dense column)
+=========  =====  =====  ======  ======  ======  =====  =====  ======  ================================================
+
+The MI300X's GPU-to-GPU link is AMD Infinity Fabric (128 GB/s a link), not NVLink; the B200's 7.7 TB/s is the HGX
+B200's (a GB200's: 8 TB/s).
+
 Example:
     >>> gpu = memkit.gpus.find("4090")
     >>> gpu.name, gpu.usable_bytes()              # ('NVIDIA GeForce RTX 4090', (low, high))
@@ -27,9 +55,12 @@ Example:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
-__all__ = ["CATALOG", "GPU", "Verdict", "find", "judge", "verdict"]
+from ._gpu_catalog import SPECS
+
+__all__ = ["CATALOG", "DTYPES", "GPU", "Verdict", "find", "judge", "verdict"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -37,14 +68,19 @@ GiB = 1 << 30
 CONTEXT_BYTES = (287_047_680, 426 * MiB)
 """What the CUDA context holds outside the allocator, low and high (sources in the module docstring)."""
 
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+"""The dtypes `GPU.flops_for` takes: fp32 on the CUDA cores (non-tensor), the others on the tensor cores."""
+
 
 @dataclass(frozen=True)
 class GPU:
-    """A GPU: its memory as torch reports it (a spread), and what a training step can reserve of it.
+    """A GPU: its memory as torch reports it (a spread), what a training step can reserve of it, and its peak compute
+    and bandwidth (None where unknown, as for a card made from a size).
 
     Example:
         >>> g = memkit.gpus.find("h100")
         >>> g.total_bytes, g.workspace_bytes, g.usable_bytes()
+        >>> g.flops_for("bf16"), g.memory_bandwidth          # (989.4e12, 3.35e12)
     """
 
     key: str
@@ -60,6 +96,32 @@ class GPU:
     aliases: tuple[str, ...] = ()
     workspace: int | None = None
     """The BLAS workspaces torch allocates, where they are not cuBLAS's default (ROCm)."""
+    flops: Mapping[str, float] | None = field(default=None, hash=False)
+    """Peak *dense* (no 2:4 sparsity) FLOP/s by dtype of `DTYPES`; a dtype the card lacks is absent (no fp8 before
+    Ada and Hopper, no bf16 tensor cores on the T4). GeForce figures are FP32-accumulate ones, what torch's matmuls
+    use."""
+    memory_bandwidth: float | None = None
+    """Device memory bandwidth, bytes/s."""
+    host_link: float | None = None
+    """The card's host link (PCIe), bytes/s per direction, theoretical."""
+    nvlink: float | None = None
+    """GPU-to-GPU NVLink bandwidth per GPU, bytes/s per direction; None where the card has none."""
+    spec_source: str = ""
+    """Where the compute and bandwidth figures come from (the vendor document, by name)."""
+
+    def __post_init__(self):
+        if self.flops is not None and (unknown := set(self.flops) - set(DTYPES)):
+            raise ValueError(f"flops: unknown dtypes {sorted(unknown)}; the allowed ones: {', '.join(DTYPES)}")
+
+    def flops_for(self, dtype: str) -> float | None:
+        """Peak dense FLOP/s for ``dtype`` (one of `DTYPES`), or None where the card lacks it or it is unknown.
+
+        Example:
+            >>> find("4090").flops_for("bf16"), find("a100").flops_for("fp8")     # (165.2e12, None)
+        """
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
+        return None if self.flops is None else self.flops.get(dtype)
 
     @property
     def workspace_bytes(self) -> int:
@@ -81,7 +143,7 @@ def _mib(low: int, high: int | None = None) -> tuple[int, int]:
 
 _PRINTED = "torch's printed total_memory in public GitHub files"
 CATALOG: dict[str, GPU] = {
-    g.key: g
+    g.key: replace(g, **SPECS[g.key])
     for g in (
         GPU("t4", "Tesla T4", _mib(15_079, 15_109), f"{_PRINTED} (Colab and others: 15,079-15,109 MiB)", 75),
         GPU(

@@ -129,3 +129,109 @@ def test_full_flux_does_not_fit_a_4090_and_full_pixart_does(capsys):
     assert code == 1 and flux["verdict"] == "does not fit" and flux["peak_reserved_bytes"] >= flux["peak_bytes"]
     code, pixart, _ = _cli(["estimate", "pixart", "--gpu", "4090", "--json"], capsys)
     assert code == 0 and pixart["fits"] and pixart["peak_reserved_bytes"] >= pixart["peak_bytes"]
+
+
+# --- compute and bandwidth, for a step-time model --------------------------------------------------------------------
+# A second reading of each vendor document, written from the document: TFLOP/s dense (a "with sparsity" figure halved),
+# memory GB/s, host link and NVLink GB/s per direction (PCIe x16: Gen3 15.75, Gen4 31.5, Gen5 63 after 128b/130b).
+GEN3, GEN4, GEN5 = 15.75, 31.5, 63.0
+PUBLISHED = {
+    # NVIDIA T4 datasheet: "Single-Precision 8.1 TFLOPS", "Mixed-Precision (FP16/FP32) 65 TFLOPS", "320+ GB/s", Gen3 x16
+    "t4": (dict(fp32=8.1, fp16=65), 320, GEN3, None, "T4"),
+    # NVIDIA L4 datasheet: FP32 30.3; TF32 120*, BF16 242*, FP16 242*, FP8 485* (* sparsity); 300 GB/s; Gen4 x16
+    "l4": (dict(fp32=30.3, tf32=120 / 2, bf16=242 / 2, fp16=242 / 2, fp8=485 / 2), 300, GEN4, None, "L4"),
+    # no A10G datasheet: compute unknown; Baseten ("A10 vs A10G"): 600 GB/s like the A10; GA102: PCIe Gen 4
+    "a10g": (None, 600, GEN4, None, "A10G"),
+    # GA102 whitepaper appendix A, RTX 3090: FP32 35.6, TF32 35.6, FP16/BF16 with FP32 accumulate 71; 936 GB/sec;
+    # NVLink "56.25 GB/sec bandwidth in each direction"
+    "3090": (dict(fp32=35.6, tf32=35.6, bf16=71, fp16=71), 936, GEN4, 56.25, "GA102"),
+    # Ada whitepaper appendix A, RTX 4090 (FP32 accumulate, dense/sparse): FP16 165.2/330.4, BF16 165.2/330.4,
+    # FP8 330.3/660.6 (v2.02 correction), TF32 82.6/165.2, FP32 82.6; 1008 GB/sec
+    "4090": (dict(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2, fp8=330.3), 1008, GEN4, None, "Ada"),
+    # RTX Blackwell whitepaper appendix A, RTX 5090: BF16/FP16 with FP32 accumulate 209.5, FP8 419; FP32 104.8;
+    # 1792 GB/sec; TF32 not found
+    "5090": (dict(fp32=104.8, bf16=209.5, fp16=209.5, fp8=419), 1792, GEN5, None, "Blackwell"),
+    # NVIDIA L40S datasheet, dense | sparse*: TF32 183 | 366*, BF16 362.05 | 733*, FP8 733 | 1,466*; FP32 91.6; 864 GB/s
+    "l40s": (dict(fp32=91.6, tf32=183, bf16=362.05, fp16=362.05, fp8=733), 864, GEN4, None, "L40S"),
+    # NVIDIA A100 datasheet: FP32 19.5, TF32 156 | 312*, BF16 312 | 624*; 1,555 GB/s (40GB), 2,039 GB/s (80GB SXM);
+    # NVLink 600 GB/s (both directions)
+    "a100-40gb": (dict(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555, GEN4, 600 / 2, "A100"),
+    "a100-80gb": (dict(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039, GEN4, 600 / 2, "A100"),
+    # H100 whitepaper v1.04 table 3, SXM5 (dense/sparse): BF16 989.4/1978.9, TF32 494.7/989.4, FP8 1978.9/3957.8,
+    # FP32 66.9; datasheet: 3.35 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s (both directions)
+    "h100": (dict(fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9), 3350, GEN5, 900 / 2, "H100"),
+    # NVIDIA H200 datasheet, SXM: FP32 67; TF32 989*, BF16 1,979*, FP16 1,979*, FP8 3,958*; 4.8 TB/s; NVLink 900 GB/s
+    "h200": (dict(fp32=67, tf32=989 / 2, bf16=1979 / 2, fp16=1979 / 2, fp8=3958 / 2), 4800, GEN5, 900 / 2, "H200"),
+    # NVIDIA Blackwell datasheet, HGX B200 (tensor figures with sparsity): TF32 2.2 PF, FP16/BF16 4.5 PF, FP8 9 PF;
+    # FP32 75 TFLOPS; 180GB HBM3E 7.7 TB/s; NVLink 1.8 TB/s (both directions)
+    "b200": (dict(fp32=75, tf32=2200 / 2, bf16=4500 / 2, fp16=4500 / 2, fp8=9000 / 2), 7700, GEN5, 1800 / 2, "B200"),
+    # AMD Instinct MI300X datasheet, dense | sparse: TF32 653.7 | 1,307.4, FP16/BF16 1,307.4 | 2,614.9,
+    # FP8 2,614.9 | 5,229.8, FP32 vector 163.4; 5.3 TB/s; Infinity Fabric, no NVLink
+    "mi300x": (dict(fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9), 5300, GEN5, None, "MI300X"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(PUBLISHED))
+def test_each_cards_figures_are_its_vendor_documents(key):
+    flops, memory, host, nvlink, document = PUBLISHED[key]
+    gpu = gpus.CATALOG[key]
+    if flops is None:
+        assert gpu.flops is None and all(gpu.flops_for(d) is None for d in gpus.DTYPES)
+    else:
+        assert set(gpu.flops) == set(flops)  # a dtype the card lacks (or the source lacks) is absent, not zero
+        for dtype in gpus.DTYPES:
+            want = flops.get(dtype)
+            assert gpu.flops_for(dtype) == (None if want is None else pytest.approx(want * 1e12, rel=1e-9)), dtype
+    assert gpu.memory_bandwidth == pytest.approx(memory * 1e9, rel=1e-9)
+    assert gpu.host_link == pytest.approx(host * 1e9, rel=1e-9)
+    assert gpu.nvlink == (None if nvlink is None else pytest.approx(nvlink * 1e9, rel=1e-9))
+    assert document in gpu.spec_source and ("datasheet" in gpu.spec_source or "whitepaper" in gpu.spec_source)
+
+
+def test_every_catalog_card_has_a_reading():
+    assert set(PUBLISHED) == set(gpus.CATALOG)
+
+
+def test_the_figures_keep_the_architectures_ratios():
+    cat = gpus.CATALOG
+    for key, gpu in cat.items():
+        bf16, fp16, fp8 = (gpu.flops_for(d) for d in ("bf16", "fp16", "fp8"))
+        if bf16 is not None and fp16 is not None:
+            assert bf16 == fp16, key  # same tensor-core rate (GeForce: both with FP32 accumulate)
+        if fp8 is not None:  # Ada, Hopper, Blackwell, CDNA3: FP8 at twice FP16's dense rate (the L40S's sheet: 2.02x)
+            assert fp8 / fp16 == pytest.approx(2, rel=0.015), key
+        if gpu.flops is not None and "tf32" in gpu.flops:
+            assert gpu.flops_for("fp32") <= gpu.flops_for("tf32") < fp16, key
+    for lacking, dtype in [("t4", "bf16"), ("t4", "tf32"), ("t4", "fp8"), ("3090", "fp8"), ("a100-40gb", "fp8")]:
+        assert dtype not in cat[lacking].flops and cat[lacking].flops_for(dtype) is None
+    assert cat["h200"].memory_bandwidth > cat["h100"].memory_bandwidth > cat["a100-80gb"].memory_bandwidth
+    assert cat["a100-80gb"].memory_bandwidth > cat["a100-40gb"].memory_bandwidth
+    assert cat["b200"].flops_for("fp8") > cat["h100"].flops_for("fp8") > cat["4090"].flops_for("fp8")
+    assert cat["h100"].flops_for("bf16") == pytest.approx(989.4e12)  # not the 1,979 with sparsity
+    assert cat["4090"].flops_for("bf16") == pytest.approx(165.2e12)  # not the 330.3 with FP16 accumulate
+    for gpu in cat.values():
+        assert gpu.nvlink is None or gpu.nvlink > gpu.host_link
+        assert gpu.host_link in (15.75e9, 31.5e9, 63e9)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "BF16", "int8", "fp64", ""])
+def test_flops_for_names_the_allowed_dtypes(dtype):
+    with pytest.raises(ValueError, match=r"one of fp32, tf32, bf16, fp16, fp8"):
+        gpus.find("h100").flops_for(dtype)
+
+
+def test_a_card_made_from_a_size_has_no_figures():
+    gpu = gpus.find("24GiB")
+    assert gpu.flops is None and gpu.memory_bandwidth is None and gpu.host_link is None and gpu.nvlink is None
+    assert gpu.spec_source == "" and all(gpu.flops_for(d) is None for d in gpus.DTYPES)
+    made = gpus.GPU("x", "a card", (GiB, GiB), "given")  # the new fields default
+    assert made.flops is None and made.flops_for("fp8") is None
+
+
+def test_flops_take_only_known_dtypes_and_the_catalog_stays_frozen():
+    with pytest.raises(ValueError, match=r"unknown dtypes \['int8'\]"):
+        gpus.GPU("x", "a card", (GiB, GiB), "given", flops={"bf16": 1e12, "int8": 2e12})
+    h100 = gpus.CATALOG["h100"]
+    with pytest.raises(TypeError):
+        h100.flops["bf16"] = 0.0  # a read-only mapping: the frozen card's figures cannot drift
+    assert hash(h100) == hash(gpus.find("h100"))
