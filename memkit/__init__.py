@@ -47,6 +47,8 @@ _EXPORTS = {
     "Checkpointing": ".optimizations",
     "CheckpointPlan": ".planning",
     "plan_checkpointing": ".planning",
+    "plan": ".planning",
+    "Plan": ".planning",
     "EMA": ".optimizations.ema",
     "FFSplit": ".optimizations.feedforward",
     "Offload": ".optimizations.offload",
@@ -96,6 +98,7 @@ __all__ = [
     "PHASES",
     "PRESETS",
     "Pipeline",
+    "Plan",
     "Playground",
     "Quantize",
     "SIZES",
@@ -111,6 +114,7 @@ __all__ = [
     "memory",
     "optimizations",
     "parallel",
+    "plan",
     "plan_checkpointing",
     "plots",
     "track",
@@ -133,7 +137,7 @@ if TYPE_CHECKING:
     from .optimizations.offload import Offload
     from .parallel import FSDP
     from .pipeline import Job, Pipeline, estimate_job
-    from .planning import CheckpointPlan, plan_checkpointing
+    from .planning import CheckpointPlan, Plan, plan, plan_checkpointing
     from .presets import PRESETS, SIZES
     from .step import Step, train_step
     from .widgets.app import Playground

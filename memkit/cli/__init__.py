@@ -26,9 +26,10 @@ from ..optimizers import OPTIMIZER_ON, OPTIMIZERS
 from ..units import UNITS
 from ._common import DTYPE_NAMES, SIZE_FLAGS, CLIError, machine_info
 
-COMMANDS = ("estimate", "inspect", "report", "models")
+COMMANDS = ("estimate", "plan", "inspect", "report", "models")
 _SUMMARY = {
     "estimate": "estimate the peak memory of one step on fake tensors (no memory, no GPU needed)",
+    "plan": "search the memory-saving settings for the fastest configuration that fits a GPU",
     "inspect": "summarize a CUDA memory snapshot (.pickle) and its largest allocations at the peak",
     "report": "compare the optimizations on a real small model and write one self-contained HTML report",
     "models": "list the presets (hub ids, parameters) and which diffusers transformer/UNet classes memkit supports",
@@ -392,7 +393,16 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_runner("models"))
 
 
-_ADD = {"estimate": _add_estimate, "inspect": _add_inspect, "report": _add_report, "models": _add_models}
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from .plan import add_parser
+
+    add_parser(sub, _Formatter)
+
+
+_ADD = {
+    "estimate": _add_estimate, "plan": _add_plan, "inspect": _add_inspect, "report": _add_report,
+    "models": _add_models,
+}  # fmt: skip
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

@@ -282,6 +282,7 @@ class FFSplit:
                 "FeedForward (Linear, activation, Linear) and Flux's single-block MLP; this model's feed-forward, "
                 "if any, is another kind (Sana's GLUMBConv is convolutions)"
             )
+        _refuse_quantized(found)
         if self.mode == "hidden":
             for name, _, mlp in found:
                 if self.splits > mlp.inner:
@@ -332,3 +333,23 @@ class FFSplit:
     def __str__(self) -> str:
         suffix = "" if self.mode == "hidden" else f":{self.mode}"
         return f"ff-split:{self.splits}{suffix}"
+
+
+def _refuse_quantized(found) -> None:
+    """A ValueError for a feed-forward whose weights are stored quantized (bitsandbytes' packed codes, fp8 storage, a
+    torchao tensor): the split slices the weight itself, so it does not compose with memkit.Quantize."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for name, module, _ in found:
+        for sub, layer in module.named_modules():
+            w = getattr(layer, "weight", None)
+            if not isinstance(layer, nn.Linear) or w is None:
+                continue
+            plain = type(w.data) in (torch.Tensor, FakeTensor)
+            if hasattr(w, "quant_state") or not plain or not w.dtype.is_floating_point or w.dtype.itemsize < 2:
+                where = ".".join(p for p in (name, sub) if p)
+                raise ValueError(
+                    f"ff-split cannot split {where}: its weight is stored quantized ({type(w.data).__name__}, "
+                    f"{w.dtype}) and the split slices the weight itself; ff-split and memkit.Quantize do not compose, "
+                    "leave one of them out"
+                )

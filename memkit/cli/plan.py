@@ -1,0 +1,99 @@
+"""``memkit plan``: the fastest configuration that fits a GPU (:func:`memkit.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ._common import SIZE_FLAGS, CLIError, add_optimization_flags, optimization_specs, optimizations_from, rows_text
+
+SUMMARY = "search the memory-saving settings for the fastest configuration that fits a GPU"
+
+
+def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """The ``plan`` subcommand's options."""
+    from ..planning import DIMENSIONS
+
+    p = sub.add_parser(
+        "plan",
+        help=SUMMARY,
+        description=SUMMARY + ". Fix what you will not change (model, size, inputs, batch, LoRA, precision, any "
+        "optimization given as a flag); memkit searches the optimizer (AdamW, 8-bit AdamW), a quantized base (LoRA "
+        "runs), the feed-forward split, checkpointing and the allocator's expandable segments, and lists the "
+        "configurations that fit, fastest first, each with the `memkit estimate` flags that reproduce it.",
+        epilog="examples:\n  memkit plan flux --gpu 4090 --lora 16\n  memkit plan flux --gpu h100 --json\n"
+        "  memkit plan wan --gpu 24GiB --lora 32 --frames 33",
+        formatter_class=formatter,
+    )
+    p.add_argument("preset", metavar="MODEL", help="a preset, its hub id, a folder or a config.json")
+    p.add_argument("--gpu", required=True, metavar="NAME", help="the GPU to fit (4090, h100, 24GiB...)")
+    p.add_argument("--size", choices=("full", "small", "tiny"), default="full", help="model size")
+    p.add_argument("--batch-size", type=int, default=1, metavar="N", help="samples per step (fixed)")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None, help="fixed, as in memkit estimate")
+    p.add_argument(
+        "--search",
+        default=",".join(DIMENSIONS),
+        metavar="DIM[,DIM...]",
+        help=f"the dimensions to search, of {', '.join(DIMENSIONS)}",
+    )
+    for key, unit in SIZE_FLAGS.items():
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=int, metavar="N", default=None, help=f"in {unit}")
+    fixed = p.add_argument_group("fixed optimizations (each takes its dimension out of the search)")
+    specs = optimization_specs()
+    add_optimization_flags(fixed, specs)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
+    p.set_defaults(run=run, optimization_specs=specs)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``memkit plan``: the search, printed as a table or JSON; exit 0 when something fits, 1 when nothing does."""
+    import memkit
+
+    from ..planning import DIMENSIONS, NothingFits
+
+    try:
+        memkit.gpus.find(args.gpu)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    search = [d.strip() for d in args.search.split(",") if d.strip()]
+    bad = [d for d in search if d not in DIMENSIONS]
+    if bad:
+        raise CLIError(f"--search {args.search}: {bad} are not dimensions; they are {', '.join(DIMENSIONS)}")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size takes an int >= 1, got {args.batch_size}")
+    fixed = optimizations_from(args, args.optimization_specs)
+    sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    out = sys.stderr if args.json else sys.stdout
+    try:
+        result = memkit.plan(
+            args.preset, args.gpu, optimizations=fixed, search=search, size=args.size, batch_size=args.batch_size,
+            mixed_precision=args.mixed_precision, progress=lambda line: print(f"plan: {line}", file=sys.stderr),
+            **sizes,
+        )  # fmt: skip
+    except NothingFits as e:
+        if args.json:
+            print(json.dumps({"gpu": args.gpu, "configs": [], "error": str(e)}, indent=2))
+        print(f"memkit plan: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if args.json:
+        print(json.dumps(result.summary(), indent=2))
+        return 0 if result.configs else 1
+    gib = 2**30
+    print(
+        f"memkit plan: {args.preset} ({args.size}) on {result.gpu.name} "
+        f"({result.gpu.usable_bytes()[0] / gib:.2f} GiB usable); {result.estimates} estimates in {result.seconds:.0f} s"
+        + (" (interrupted: what was found so far)" if result.interrupted else ""),
+        file=out,
+    )
+    rows = []
+    for i, c in enumerate(result.configs):
+        time_ = f"{c.step_seconds:.2f} s/step" if c.step_seconds is not None else "step time: no compute figures"
+        rows.append(
+            (f"{i + 1}. {' '.join(c.flags) or '(nothing switched on)'}",
+             f"{c.peak_reserved_bytes / gib:.2f} GiB reserved, headroom {c.headroom_bytes / gib:.2f} GiB, {time_}")
+        )  # fmt: skip
+    print(rows_text(rows) if rows else "  nothing fits", file=out)
+    return 0 if result.configs else 1

@@ -1,0 +1,123 @@
+"""memkit.plan: the search finds what brute force over the grid finds, and says what it could not do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import memkit
+from memkit import gpus
+from memkit.planning import ALLOC_CONFS, DIMENSIONS, NothingFits, _levels_grid, plan
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+PRESET = "flux"
+SIZES = dict(size="tiny", height=1024, width=1024)  # tiny Flux, 4,096 image tokens: activations checkpointing cuts
+LORA = memkit.LoRA(rank=4, targets=("to_q", "to_k", "to_v", "to_out.0"))  # outside the feed-forward: FFSplit applies
+
+
+def card(usable: int) -> gpus.GPU:
+    """A GPU whose usable bytes are ``usable`` (its total less the CUDA context and cuBLAS's workspace)."""
+    probe = gpus.GPU("probe", "probe", (1 << 40, 1 << 40), "a test card", 90)
+    low, high = probe.usable_bytes()
+    total = (1 << 40) - low + usable
+    return gpus.GPU("test", "a test card", (total, total), "a test card", 90)
+
+
+def brute_force(dims):
+    """Every configuration of the grid estimated: (levels, alloc conf, reserved bytes)."""
+    from memkit.memory.reserved import replay_reserved
+
+    rows = []
+    for levels in _levels_grid(dims):
+        opts = []
+        if levels.get("quantize"):
+            opts.append(memkit.Quantize(method=levels["quantize"]))
+        opts.append(LORA)
+        if levels.get("ff_split"):
+            opts.append(memkit.FFSplit(splits=levels["ff_split"]))
+        if levels.get("checkpointing"):
+            opts.append(memkit.Checkpointing())
+        tl = memkit.estimate(PRESET, optimizations=opts, optimizer=levels["optimizer"], progress=False, **SIZES)
+        for conf in ALLOC_CONFS:
+            reserved = replay_reserved(tl, baseline_blocks=tl.baseline_blocks, alloc_conf=conf).peak_bytes
+            rows.append((levels, conf, reserved))
+    return rows
+
+
+@pytest.mark.slow  # the grid of 12 configurations estimated (~15 s)
+def test_the_plan_finds_the_cheapest_fitting_configuration_brute_force_finds():
+    dims = ("optimizer", "quantize", "checkpointing")
+    rows = brute_force(dims)
+    peaks = sorted({r for _, _, r in rows})
+    gpu = card((peaks[0] + peaks[-1]) // 2)  # between the least and the most any configuration reserves
+    fitting = [(levels, conf) for levels, conf, reserved in rows if gpus.verdict(reserved, gpu).fits]
+    assert fitting and len(fitting) < len(rows)  # the budget splits the grid
+    result = plan(PRESET, gpu, optimizations=[LORA], search=dims, progress=None, **SIZES)
+    weight = {"checkpointing": 4, "quantize": 3, "ff_split": 2, "optimizer": 1}
+
+    def cost(levels):
+        return sum(weight[d] * DIMENSIONS[d].index(v) for d, v in levels.items())
+
+    cheapest = min(cost(levels) for levels, _ in fitting)
+    assert result.best is not None and cost(result.best.levels) == cheapest
+    assert all(c.fits for c in result.configs)
+    assert {tuple(c.levels.items()) for c in result.configs} <= {tuple(levels.items()) for levels, _ in fitting}
+    assert result.estimates < len(_levels_grid(dims))  # pruned, not the grid
+
+
+def test_nothing_fits_names_the_smallest_peak_and_what_holds_it():
+    pattern = (
+        r"no configuration fits a test card \(64\.00 KiB usable\): the smallest peak found is [\d.]+ MiB reserved "
+        r"with --optimizer adamw8bit .*\(at its peak: \w+ [\d.]+ \w?i?B"
+    )
+    with pytest.raises(NothingFits, match=pattern):
+        plan(PRESET, card(1 << 16), optimizations=[LORA], **SIZES)
+
+
+def test_a_dimension_the_fixed_settings_refuse_leaves_the_search_with_the_reason():
+    # peft's default Flux targets include the feed-forward layers, which FFSplit refuses to split
+    result = plan(PRESET, card(1 << 30), lora=4, search=("optimizer", "ff_split"), **SIZES)
+    assert list(result.refused) == ["ff_split"] and "LoRA adapters sit in it" in result.refused["ff_split"]
+    assert result.best is not None and "--ff-split" not in result.best.flags
+
+
+def test_bad_arguments_name_what_is_allowed():
+    with pytest.raises(ValueError, match=r"search names \['offload-to-mars'\]; the dimensions are"):
+        plan(PRESET, "4090", lora=4, search=("offload-to-mars",), **SIZES)
+    with pytest.raises(ValueError, match="plan searches or fixes optimizer itself"):
+        plan(PRESET, "4090", lora=4, optimizer="sgd", **SIZES)
+    with pytest.raises(ValueError, match="lora must be a positive rank or None"):
+        plan(PRESET, "4090", lora=0, **SIZES)
+    with pytest.raises(ValueError, match="a quantized base trains only adapters"):
+        plan(PRESET, "4090", optimizations=[memkit.Quantize(method="nf4")], **SIZES)
+
+
+def test_ctrl_c_returns_what_was_found_so_far(monkeypatch):
+    real = memkit.estimation.estimate
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memkit.estimation, "estimate", interrupted)
+    result = plan(PRESET, card(1 << 30), optimizations=[LORA], search=("optimizer", "checkpointing"), **SIZES)
+    assert result.interrupted and result.estimates == 2 and result.configs  # the first two fit a 1 GiB card
+    assert result.summary()["interrupted"] is True
+
+
+def test_the_command_line_flags_reproduce_each_configuration(capsys):
+    from memkit.cli import main
+
+    code = main(["plan", PRESET, "--size", "tiny", "--gpu", "2GiB", "--lora", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["configs"] and all(c["fits"] for c in out["configs"])
+    first = out["configs"][0]
+    code = main(["estimate", PRESET, "--size", "tiny", "--gpu", "2GiB", "--lora", "4", *first["flags"], "--json"])
+    again = json.loads(capsys.readouterr().out)
+    assert code == 0 and again["peak_reserved_bytes"] == first["peak_reserved_bytes"] and again["fits"]
