@@ -78,6 +78,7 @@ _SUBMODULES = (
     "widgets",
     "gpus",
     "pipeline",
+    "steptime",
 )
 
 __all__ = [
