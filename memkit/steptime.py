@@ -44,6 +44,7 @@ from . import _memo
 from . import _torch_compat as _compat
 from ._step_peaks import _step_of
 from .handle import Optimization, apply_all
+from .memory._fake_dispatch import FakeDispatchCache
 from .memory._roles import _HOST_STATE, _OFF_DEVICE
 from .memory.placement import planning
 from .models import _build, _default_dtype, config_preset, load_model, make_inputs
@@ -163,8 +164,9 @@ def _is_view(func) -> bool:
 class _Counter(TorchDispatchMode):
     """Records every op of the window into ``ops`` (see the module docstring for what each one counts)."""
 
-    def __init__(self, host: Sequence[torch.Tensor], disk: list[int]):
+    def __init__(self, host: Sequence[torch.Tensor], disk: list[int], fake: bool = False):
         super().__init__()
+        self.fake = FakeDispatchCache() if fake else None  # the estimate's own: the same outputs, ~2x faster
         self.ops: Counter = Counter()
         self.host = {t.untyped_storage()._cdata for t in host}
         self.disk = disk  # bytes each disk load read, appended by the store's wrapped load
@@ -173,7 +175,7 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if self.fake is None else self.fake(func, args, kwargs)
         name = func._overloadpacket.__name__
         if _is_view(func) or name in _NO_TRAFFIC:
             return out
@@ -277,7 +279,7 @@ def _count(build: Callable[[], nn.Module], lengths, *, step, optimizations, dtyp
             for _ in range(step.runs - 1):
                 runner.run(kwargs)
             host = [t for ts in plan.host.values() for t in ts]
-            with _disk_loads(disk), _Counter(host, disk).hooks() as counter:
+            with _disk_loads(disk), _Counter(host, disk, fake=True).hooks() as counter:
                 runner.run(kwargs)
     return counter.ops
 
