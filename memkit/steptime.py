@@ -317,11 +317,14 @@ def count_ops(
     """The ops of the steady step (step 2; ``steps=N``: step N) :func:`memkit.estimate` measures, on a GPU.
 
     Arguments are :func:`memkit.estimate`'s (a preset name or a callable building the model; AdamW in bf16 by default;
-    foreach optimizers as on CUDA). With ``memoize`` a model with lists of identical blocks is counted with each list
-    cut to 4 blocks, then once per list with 5, and every further block adds what the fifth added (blocks are
-    identical, so each one's ops are the same): exact where the estimate itself memoizes (:func:`memkit._memo.
-    unsupported` says where not: a checkpointing pattern that picks some blocks, an EMA, offload; those run every
-    block). ``meta`` says which was done (``memoized``, ``memo``).
+    foreach optimizers as on CUDA). With ``memoize`` a model with lists of more than 5 identical blocks is built whole
+    (fake tensors: no memory) and counted with each list cut to its first 3 blocks and its last, then once per list
+    with 4 and the last, and every further block adds what the added one did (blocks are identical, so each one's
+    ops are the same; a ``_foreach`` op is counted per tensor, so the optimizer's ops add up per block too): equal to
+    counting every block (``tests/test_steptime.py``) where the estimate itself memoizes (:func:`memkit._memo.
+    unsupported` says where not: a checkpointing pattern that picks some blocks, an EMA, offload; those count every
+    block). ``meta`` holds the settings and which was done (``memoized``, ``memo``). A full-size model takes
+    seconds to a minute (every block of full LTX-Video at 4,224 tokens: ~10-20 s on 2 cores).
 
     Example:
         >>> counts = count_ops("flux", optimizations=[memkit.Checkpointing()])
@@ -347,6 +350,8 @@ def count_ops(
     run = dict(
         step=step, optimizations=tuple(optimizations), dtype=dtype, batch_size=batch_size, seed=seed, sizes=sizes
     )
+    label = model if isinstance(model, str) else getattr(model, "__name__", "model")
+    settings = dict(model=label, size=size, step=str(step), optimizations=[str(o) for o in optimizations], sizes=sizes)
     why = "memoize=False" if not memoize else _memo.unsupported(optimizations, None, step)
     if why is None and preset is not None:
         why = _memo.refused(preset.model_class)
@@ -360,7 +365,7 @@ def count_ops(
         if not lists:
             why = f"the model has no list of more than {_memo.PROBE + 1} identical blocks"
     if why is not None:
-        return OpCounts(_count(build, None, **run), dict(memoized=False, memo=why))
+        return OpCounts(_count(build, None, **run), dict(settings, memoized=False, memo=why))
     probe = {name: _memo.PROBE for name, _ in lists}
     base = _count(build, probe, **run)
     total = Counter(base)
@@ -369,10 +374,10 @@ def count_ops(
         total.update({op: (n - _memo.PROBE) * (more[op] - base[op]) for op in more.keys() | base.keys()})
     if any(v < 0 for v in total.values()):  # a block's ops are not the same in the probe: count every block
         why = "the fifth block's ops differ from the others'"
-        return OpCounts(_count(build, None, **run), dict(memoized=False, memo=why))
+        return OpCounts(_count(build, None, **run), dict(settings, memoized=False, memo=why))
     total = Counter({op: v for op, v in total.items() if v})
     memo = f"{_memo.PROBE} blocks per list, +1 per list, extrapolated to {dict(lists)}"
-    return OpCounts(total, dict(memoized=True, memo=memo))
+    return OpCounts(total, dict(settings, memoized=True, memo=memo))
 
 
 @dataclasses.dataclass(frozen=True)
