@@ -41,6 +41,7 @@ BENCHMARKS: tuple[str, ...] = (
     "optimizers",
     "recipes",
     "pipeline",
+    "steptime",
 )
 """Benchmark module names, in run order."""
 

@@ -80,6 +80,7 @@ _SUBMODULES = (
     "widgets",
     "gpus",
     "pipeline",
+    "steptime",
 )
 
 __all__ = [
