@@ -273,7 +273,7 @@ def plan(
     search: Sequence[str] = tuple(DIMENSIONS),
     size: str = "full",
     progress: Callable[[str], None] | None = None,
-    time_steps: int = 3,
+    time_steps: int = 0,
     **estimate_kwargs: Any,
 ) -> Plan:
     """The fastest configuration of ``model``'s training step that fits ``gpu``, and the others that fit.
@@ -288,8 +288,9 @@ def plan(
         size, estimate_kwargs: :func:`memkit.estimate`'s (``batch_size``, ``mixed_precision``, ``height``...); the
             estimates are for ``device="cuda"``, the first and the steady step.
         progress: called with a line per estimate.
-        time_steps: how many of the fitting configurations get a step-time estimate (the fastest by their levels
-            first; each costs a count of the step's ops).
+        time_steps: how many of the fitting configurations (the cheapest by their levels first) get a step time from
+            :mod:`memkit.steptime` and are ranked by it; each costs a count of the step's ops on fake tensors (full
+            Flux: ~15-30 s on 2 cores), so the default 0 ranks by the levels switched on alone.
 
     Returns a :class:`Plan`. Raises :class:`NothingFits` (a ValueError) when even every dimension at its last level
     does not fit, naming the smallest peak found and the categories holding it. A Ctrl-C during the search returns
@@ -474,11 +475,16 @@ def _timed(fitting: list[Candidate], model, card, size, n, estimate_kwargs) -> l
         return fitting
     if getattr(card, "flops", None) is None:
         return fitting
+    if estimate_kwargs.get("mixed_precision") is not None:  # the counted step is the pure-dtype one
+        return fitting
+    sizes = {k: v for k, v in estimate_kwargs.items() if k in ("height", "width", "frames", "text_len")}
+    counted = {k: estimate_kwargs[k] for k in ("batch_size", "dtype", "seed") if k in estimate_kwargs}
+    dtype = {"float16": "fp16", "float32": "tf32"}.get(str(estimate_kwargs.get("dtype") or "").replace("torch.", ""))
     timed = []
     for c in fitting[:n]:
         counts = steptime.count_ops(model, size=size, optimizations=list(c.optimizations),
-                                    optimizer=c.levels.get("optimizer", "adamw"), **estimate_kwargs)  # fmt: skip
-        t = steptime.step_seconds(counts, card)
+                                    optimizer=c.levels.get("optimizer", "adamw"), **counted, **sizes)  # fmt: skip
+        t = steptime.step_seconds(counts, card, dtype=dtype or "bf16")
         timed.append(dataclasses.replace(c, step_seconds=t.seconds, why=getattr(t, "why", "")))
     timed.sort(key=lambda c: c.step_seconds)
     fastest = timed[0].step_seconds if timed else None

@@ -121,3 +121,17 @@ def test_the_command_line_flags_reproduce_each_configuration(capsys):
     code = main(["estimate", PRESET, "--size", "tiny", "--gpu", "2GiB", "--lora", "4", *first["flags"], "--json"])
     again = json.loads(capsys.readouterr().out)
     assert code == 0 and again["peak_reserved_bytes"] == first["peak_reserved_bytes"] and again["fits"]
+
+
+def test_timed_configurations_are_ranked_by_their_step_time_on_the_gpu():
+    pytest.importorskip("memkit.steptime")
+    gpu = card(1 << 30)
+    gpu = gpus.GPU("test", "a test card", gpu.total_bytes, "a test card", 90, flops={"bf16": 1e12, "fp32": 1e11},
+                   memory_bandwidth=1e11, host_link=1e10)  # fmt: skip
+    result = plan(PRESET, gpu, optimizations=[LORA], search=("optimizer", "checkpointing"), time_steps=3, **SIZES)
+    timed = [c for c in result.configs if c.step_seconds is not None]
+    assert len(timed) == 3 and [c.step_seconds for c in timed] == sorted(c.step_seconds for c in timed)
+    assert result.configs[:3] == timed  # the timed ones first, fastest first
+    fastest = timed[0]
+    assert "--checkpointing" not in fastest.flags  # recomputing every block's forward costs time
+    assert all(c.why.startswith(f"{c.step_seconds / fastest.step_seconds:.2f}x the fastest") for c in timed[1:])

@@ -42,6 +42,14 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     fixed = p.add_argument_group("fixed optimizations (each takes its dimension out of the search)")
     specs = optimization_specs()
     add_optimization_flags(fixed, specs)
+    p.add_argument(
+        "--time",
+        type=int,
+        default=0,
+        metavar="N",
+        help="estimate the step time of the first N configurations that fit on the GPU (memkit.steptime: a count of "
+        "the step's ops, ~15-30 s each at full size) and rank them by it; 0 ranks by what they switch on",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
     p.set_defaults(run=run, optimization_specs=specs)
 
@@ -60,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [d for d in search if d not in DIMENSIONS]
     if bad:
         raise CLIError(f"--search {args.search}: {bad} are not dimensions; they are {', '.join(DIMENSIONS)}")
+    if args.time < 0:
+        raise CLIError(f"--time takes an int >= 0 (configurations to time), got {args.time}")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size takes an int >= 1, got {args.batch_size}")
     fixed = optimizations_from(args, args.optimization_specs)
@@ -68,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = memkit.plan(
             args.preset, args.gpu, optimizations=fixed, search=search, size=args.size, batch_size=args.batch_size,
-            mixed_precision=args.mixed_precision, progress=lambda line: print(f"plan: {line}", file=sys.stderr),
+            mixed_precision=args.mixed_precision, time_steps=args.time,
+            progress=lambda line: print(f"plan: {line}", file=sys.stderr),
             **sizes,
         )  # fmt: skip
     except NothingFits as e:
@@ -90,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     )
     rows = []
     for i, c in enumerate(result.configs):
-        time_ = f"{c.step_seconds:.2f} s/step" if c.step_seconds is not None else "step time: no compute figures"
+        time_ = f"{c.step_seconds:.2f} s/step" if c.step_seconds is not None else "step time not estimated (--time N)"
         rows.append(
             (f"{i + 1}. {' '.join(c.flags) or '(nothing switched on)'}",
              f"{c.peak_reserved_bytes / gib:.2f} GiB reserved, headroom {c.headroom_bytes / gib:.2f} GiB, {time_}")
