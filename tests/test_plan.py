@@ -135,3 +135,34 @@ def test_timed_configurations_are_ranked_by_their_step_time_on_the_gpu():
     fastest = timed[0]
     assert "--checkpointing" not in fastest.flags  # recomputing every block's forward costs time
     assert all(c.why.startswith(f"{c.step_seconds / fastest.step_seconds:.2f}x the fastest") for c in timed[1:])
+
+
+@pytest.mark.parametrize("what", ["batch", "resolution", "frames"])
+def test_maximize_finds_the_largest_value_that_fits(what):
+    from memkit.planning import maximize
+
+    preset = "wan" if what == "frames" else PRESET
+    kwargs = dict(size="tiny", optimizations=[memkit.Checkpointing()], height=256, width=256)
+
+    def reserved(v):
+        at = {"batch": {"batch_size": v}, "resolution": {"height": v, "width": v}, "frames": {"frames": v}}[what]
+        return memkit.estimate(preset, progress=False, **{**kwargs, **at}).peak_reserved_bytes
+
+    step = {"batch": 1, "resolution": 16, "frames": 4}[what]  # Flux: 8x VAE, 2x2 patches; Wan: 4k+1 frames
+    scan = {"batch": range(2, 9), "resolution": range(288, 400, 16), "frames": range(33, 50, 4)}[what]
+    # a value whose next one on the preset's grid reserves more (reserved grows in 2 MiB segments)
+    start = next(v for v in scan if reserved(v) < reserved(v + step))
+    gpu = card((reserved(start) + reserved(start + step)) // 2)  # holds `start`, not the next
+    big = maximize(preset, gpu, what, **kwargs)
+    assert big.value == start and big.peak_reserved_bytes == reserved(start)
+    assert big.headroom_bytes >= 0 and big.summary()["estimates"] == len(big.tried) >= 2
+    assert (start, reserved(start), True) in big.tried and (start + step, reserved(start + step), False) in big.tried
+
+
+def test_maximize_refuses_what_a_preset_lacks():
+    from memkit.planning import maximize
+
+    with pytest.raises(ValueError, match="flux is an image model: it has no frames to grow"):
+        maximize(PRESET, "4090", "frames", size="tiny")
+    with pytest.raises(ValueError, match=r"what must be one of \['batch', 'resolution', 'frames'\]"):
+        maximize(PRESET, "4090", "steps", size="tiny")

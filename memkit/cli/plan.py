@@ -50,6 +50,13 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
         help="estimate the step time of the first N configurations that fit on the GPU (memkit.steptime: a count of "
         "the step's ops, ~15-30 s each at full size) and rank them by it; 0 ranks by what they switch on",
     )
+    p.add_argument(
+        "--maximize",
+        choices=("batch", "resolution", "frames"),
+        default=None,
+        help="instead of searching the settings: with the fixed ones, the largest batch size, resolution (height, "
+        "the width keeping the preset's aspect) or frame count that fits, by a bisection on estimates",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
     p.set_defaults(run=run, optimization_specs=specs)
 
@@ -75,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     fixed = optimizations_from(args, args.optimization_specs)
     sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
     out = sys.stderr if args.json else sys.stdout
+    if args.maximize is not None:
+        return _maximize(args, fixed, sizes)
     try:
         result = memkit.plan(
             args.preset, args.gpu, optimizations=fixed, search=search, size=args.size, batch_size=args.batch_size,
@@ -108,3 +117,28 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     print(rows_text(rows) if rows else "  nothing fits", file=out)
     return 0 if result.configs else 1
+
+
+def _maximize(args: argparse.Namespace, fixed: list, sizes: dict) -> int:
+    """``memkit plan --maximize WHAT``: the largest batch, resolution or frame count that fits with the fixed flags."""
+    from ..planning import maximize
+
+    progress = None if args.json else (lambda line: print(f"plan: {line}", file=sys.stderr))
+    kwargs = dict(sizes, batch_size=args.batch_size) if args.maximize != "batch" else dict(sizes)
+    try:
+        big = maximize(args.preset, args.gpu, args.maximize, optimizations=fixed, size=args.size,
+                       mixed_precision=args.mixed_precision, progress=progress, **kwargs)  # fmt: skip
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if args.json:
+        print(json.dumps(big.summary(), indent=2))
+    elif big.value is None:
+        print(f"memkit plan: even the smallest {args.maximize} does not fit {args.gpu}", file=sys.stderr)
+    else:
+        shown = ", ".join(f"{k} {v}" for k, v in big.sizes.items())
+        print(
+            f"memkit plan: the largest {args.maximize} that fits {args.gpu}: {big.value} ({shown}): "
+            f"{big.peak_reserved_bytes / 2**30:.2f} GiB reserved, headroom {big.headroom_bytes / 2**30:.2f} GiB "
+            f"({len(big.tried)} estimates)"
+        )
+    return 0 if big.value is not None else 1
