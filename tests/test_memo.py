@@ -160,7 +160,7 @@ SETTINGS = {
 FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "inference": "ltx-video",
                "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video",
                "dora-checkpointing": "wan", "fused-backward": "wan", "grad-accum-2": "wan",
-               "int8wo-lora": "wan", "nf4-lora": "wan", "nf4-dq-lora": "wan"}  # fmt: skip
+               "int8wo-lora": "wan", "nf4-lora": "wan", "nf4-dq-lora": "wan", "both": "wan"}  # fmt: skip
 
 
 def _pairs_of(presets, settings, fast):
@@ -222,8 +222,9 @@ FSDP = {
 # a batch of 2 is spliced in test_every_setting (in CI), FSDP with checkpointing in fsdp-adam-3-steps, and each
 # preset's blocks in test_every_preset_default_step (FSDP's hooks are the same for every block): these under FSDP in
 # `make test-extended` (~13-15 s each)
-_FSDP_TIER = {
-    c: pytest.mark.extended for c in ("fsdp-3-batch-2", "fsdp-4-checkpointing", "fsdp-hunyuanvideo", "fsdp-ltx")
+_FSDP_TIER = {  # fsdp-fp16-params (11 s): FSDP's param dtype, its hooks the same as fsdp-2's
+    c: pytest.mark.extended
+    for c in ("fsdp-3-batch-2", "fsdp-4-checkpointing", "fsdp-hunyuanvideo", "fsdp-ltx", "fsdp-fp16-params")
 }
 
 

@@ -137,7 +137,8 @@ def test_timed_configurations_are_ranked_by_their_step_time_on_the_gpu():
     assert all(c.why.startswith(f"{c.step_seconds / fastest.step_seconds:.2f}x the fastest") for c in timed[1:])
 
 
-@pytest.mark.parametrize("what", ["batch", "resolution", "frames"])
+# CI time: resolution (16 s) in make test-extended; batch and frames (the 4k+1 grid) in CI
+@pytest.mark.parametrize("what", ["batch", pytest.param("resolution", marks=pytest.mark.extended), "frames"])
 def test_maximize_finds_the_largest_value_that_fits(what):
     from memkit.planning import maximize
 

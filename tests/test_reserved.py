@@ -169,6 +169,7 @@ def test_spliced_baseline_gives_the_reserved_of_every_block():
 
 
 @pytest.mark.slow  # full Flux four times (memoized: ~5 s each)
+@pytest.mark.extended  # CI time (16 s): the README table re-estimated in make test-extended
 def test_the_readme_reserved_table_is_what_the_estimates_say(capsys):
     import re
     from pathlib import Path

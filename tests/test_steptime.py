@@ -119,7 +119,10 @@ def test_transfers_and_disk_reads_are_timed_over_their_links():
 
 
 @pytest.mark.parametrize(
-    "optimizations", [pytest.param([], marks=pytest.mark.slow), [memkit.Checkpointing(pattern="all")]], ids=str
+    # CI time: without checkpointing (16 s) in make test-extended; the splice of recompute is the harder case
+    "optimizations",
+    [pytest.param([], marks=pytest.mark.extended), [memkit.Checkpointing(pattern="all")]],
+    ids=str,
 )
 def test_the_probe_extrapolates_to_counting_every_block(optimizations):
     build = deep("flux", num_layers=6, num_single_layers=7)  # two lists, each longer than the probe's 4 + 1
