@@ -126,7 +126,7 @@ def plan(
         progress: called with a line per estimate.
         time_steps: how many of the fitting configurations (the cheapest by their levels first) get a step time from
             :mod:`memkit.steptime` and are ranked by it; each costs a count of the step's ops on fake tensors (full
-            Flux: ~15-30 s on 2 cores), so the default 0 ranks by the levels switched on alone.
+            Flux: 29 s in a fresh process on 2 cores), so the default 0 ranks by the levels switched on alone.
 
     Returns a :class:`Plan`. Raises :class:`NothingFits` (a ValueError) when even every dimension at its last level
     does not fit, naming the smallest peak found and the categories holding it. A Ctrl-C during the search returns

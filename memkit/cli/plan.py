@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
         default=0,
         metavar="N",
         help="estimate the step time of the first N configurations that fit on the GPU (memkit.steptime: a count of "
-        "the step's ops, ~15-30 s each at full size) and rank them by it; 0 ranks by what they switch on",
+        "the step's ops: 29 s for full Flux in a fresh process here) and rank them by it; 0: by what they switch on",
     )
     p.add_argument(
         "--maximize",
