@@ -87,6 +87,39 @@ class Plan:
     def best(self) -> Candidate | None:
         return self.configs[0] if self.configs else None
 
+    @property
+    def timed(self) -> list[Candidate]:
+        """Every configuration estimated that has a step time, fitting or not, in the order tried (a timed entry of
+        ``configs`` in place of its untimed one in ``tried``).
+
+        Example:
+            >>> p = memkit.plan("flux", "4090", lora=16, time_steps=2)
+            >>> [(c.flags, c.step_seconds) for c in p.timed]
+        """
+        timed = {c.flags: c for c in self.configs if c.step_seconds is not None}
+        return [c for c in (timed.get(c.flags, c) for c in self.tried) if c.step_seconds is not None]
+
+    def frontier(self) -> list[Candidate]:
+        """The timed configurations (:attr:`timed`, fitting or not) that no other beats in both step time and peak
+        reserved bytes (one beats another when it is no slower and no larger, and better in one), fastest first.
+
+        The trade-off the plan chooses on: along it each configuration saves memory only by costing time. The GPU's
+        usable bytes cut it; with every configuration timed, the fastest frontier one under the cut is as fast as the
+        plan's ``best``. Configurations with the same time and bytes (the same levels, whose allocator settings
+        reserve alike) are all kept.
+
+        Raises a ValueError when no configuration has a step time (``time_steps=0``, the default; or a GPU without
+        compute figures, or a ``mixed_precision`` run, which :mod:`memkit.steptime` does not time).
+
+        Example:
+            >>> p = memkit.plan("flux", "4090", lora=16, time_steps=6)
+            >>> [(c.flags, c.step_seconds, c.peak_reserved_bytes / 2**30) for c in p.frontier()]
+        """
+        timed = self.timed
+        if not timed:
+            raise ValueError(_NO_STEP_TIMES)
+        return _frontier(timed)
+
     def summary(self) -> dict[str, Any]:
         """The plan as the command line's ``--json`` prints it."""
         return dict(
@@ -94,6 +127,25 @@ class Plan:
             configs=[c.summary() for c in self.configs], tried=[c.summary() for c in self.tried],
             estimates=self.estimates, seconds=self.seconds, interrupted=self.interrupted, refused=self.refused,
         )  # fmt: skip
+
+
+_NO_STEP_TIMES = (
+    "the plan has no configuration with a step time: plan with time_steps=N (memkit plan ... --time N) to time the "
+    "first N that fit; a GPU without compute figures (memkit.gpus: flops) or a mixed_precision run gets none"
+)
+
+
+def _frontier(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates no other beats in both ``step_seconds`` and ``peak_reserved_bytes``, fastest first: one sweep
+    in (time, bytes) order, keeping each (time, bytes) whose bytes are below every faster or equally fast one's."""
+    ordered = sorted(candidates, key=lambda c: (c.step_seconds, c.peak_reserved_bytes))
+    out: list[Candidate] = []
+    least = None  # the fewest bytes of the (time, bytes) pairs before the current one
+    for (_, reserved), same in itertools.groupby(ordered, key=lambda c: (c.step_seconds, c.peak_reserved_bytes)):
+        if least is None or reserved < least:
+            out += same
+            least = reserved
+    return out
 
 
 class NothingFits(ValueError):

@@ -3,7 +3,8 @@
 No torch, no widgets: every function takes plain data and returns a ``go.Figure`` that a notebook shows with
 ``fig.show()`` (set ``PLOTLY_RENDERER=png`` for notebooks stored with their outputs), a widget wraps in a
 ``FigureWidget``, and a report writes with ``fig.write_html``. One colour per memory category
-(:data:`CATEGORY_COLORS`) is shared by every memkit figure.
+(:data:`CATEGORY_COLORS`) is shared by every memkit figure. A plan's frontier (step time against peak reserved
+memory): :func:`plan_figure`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ._plan_figure import plan_figure
 from .memory.events import CATEGORIES, PHASES
 from .memory.timeline import Timeline
 from .units import Unit, unit_scale
@@ -24,6 +26,7 @@ __all__ = [
     "categories_figure",
     "comparison_figure",
     "decimate",
+    "plan_figure",
     "segments_figure",
     "timeline_figure",
 ]

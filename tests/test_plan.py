@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memkit
 from memkit import gpus
@@ -167,3 +170,84 @@ def test_maximize_refuses_what_a_preset_lacks():
         maximize(PRESET, "4090", "frames", size="tiny")
     with pytest.raises(ValueError, match=r"what must be one of \['batch', 'resolution', 'frames'\]"):
         maximize(PRESET, "4090", "steps", size="tiny")
+
+
+def synthetic_plan(points, usable=100):
+    """A Plan over candidates ``(step seconds or None, peak reserved bytes)``, judged against ``usable`` bytes; the
+    timed fitting ones ranked by time, as plan() ranks what it times."""
+    from memkit.planning import Candidate, Plan
+
+    gpu = card(usable)
+    judged = [(t, m, gpus.verdict(m, gpu)) for t, m in points]
+    tried = [
+        Candidate({"optimizer": "adamw"}, "", (), (f"--config {i}",), m, m, v.fits, v.headroom_bytes, t)
+        for i, (t, m, v) in enumerate(judged)
+    ]
+    fitting = [c for c in tried if c.fits]
+    configs = sorted((c for c in fitting if c.step_seconds is not None), key=lambda c: c.step_seconds)
+    return Plan(gpu, configs + [c for c in fitting if c.step_seconds is None], tried, len(tried), 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.none(), st.integers(1, 6)), st.integers(0, 6)), min_size=1, max_size=12))
+def test_the_frontier_is_every_timed_configuration_no_other_beats(points):
+    # small integer grids: ties in time, in bytes and in both are common
+    result = synthetic_plan([(t if t is None else t / 4, m) for t, m in points], usable=3)
+    timed = [c for c in result.tried if c.step_seconds is not None]
+    if not timed:
+        with pytest.raises(ValueError, match=r"time_steps=N \(memkit plan \.\.\. --time N\)"):
+            result.frontier()
+        return
+
+    def beats(a, b):
+        no_worse = a.step_seconds <= b.step_seconds and a.peak_reserved_bytes <= b.peak_reserved_bytes
+        return no_worse and (a.step_seconds, a.peak_reserved_bytes) != (b.step_seconds, b.peak_reserved_bytes)
+
+    frontier = result.frontier()
+    assert {c.flags for c in frontier} == {c.flags for c in timed if not any(beats(d, c) for d in timed)}
+    assert [c.step_seconds for c in frontier] == sorted(c.step_seconds for c in frontier)
+    if result.best is not None and result.best.step_seconds is not None:  # the fastest that fits has a frontier twin
+        twin = [c for c in frontier if c.step_seconds == result.best.step_seconds]  # as fast, no larger: it fits
+        assert twin and all(c.fits for c in twin)
+
+
+def test_timed_takes_each_configuration_s_step_time_from_the_ranking():
+    result = synthetic_plan([(None, 1), (None, 2), (None, 500), (None, 3)])
+    assert result.timed == []
+    timed = {"--config 1": 0.5, "--config 3": 0.25}  # what plan()'s ranking gives the fitting ones it times
+    configs = [dataclasses.replace(c, step_seconds=timed[c.flags[-1]]) for c in result.configs if c.flags[-1] in timed]
+    result.configs = sorted(configs, key=lambda c: c.step_seconds) + [result.configs[0]]
+    assert [(c.flags[-1], c.step_seconds) for c in result.timed] == [("--config 1", 0.5), ("--config 3", 0.25)]
+    assert [c.flags[-1] for c in result.frontier()] == ["--config 3", "--config 1"]  # faster, or smaller
+
+
+@pytest.mark.slow  # a tiny plan with three step-time counts (~15 s on a loaded machine)
+def test_a_timed_plan_s_frontier_figure_and_the_command_line_s_plot(tmp_path, capsys):
+    from memkit.cli import main
+    from memkit.plots import plan_figure
+
+    result = plan(PRESET, "4090", lora=4, size="tiny", time_steps=2)
+    timed = [c for c in result.configs if c.step_seconds is not None]
+    assert len(timed) == 2 and result.timed == [c for t in result.tried for c in timed if c.flags == t.flags]
+    fig = plan_figure(result)
+    points = [(x, y) for tr in fig.data if tr.name in ("fits", "does not fit") for x, y in zip(tr.x, tr.y, strict=True)]
+    assert sorted(points) == sorted((c.step_seconds, c.peak_reserved_bytes / 2**30) for c in timed)
+    (chosen,) = [tr for tr in fig.data if tr.name.startswith("chosen")]
+    assert (chosen.x[0], chosen.y[0]) == (result.best.step_seconds, result.best.peak_reserved_bytes / 2**30)
+    out = tmp_path / "plan.html"
+    code = main(["plan", PRESET, "--size", "tiny", "--gpu", "4090", "--lora", "4", "--time", "1", "--plot", str(out)])
+    assert code == 0 and f"wrote {out}" in capsys.readouterr().out
+    assert "NVIDIA GeForce RTX 4090: usable" in out.read_text() and "plotly" in out.read_text()
+
+
+def test_the_command_line_s_plot_needs_step_times_and_a_known_format(tmp_path, capsys):
+    from memkit.cli import main
+
+    base = ["plan", PRESET, "--size", "tiny", "--gpu", "4090", "--lora", "4"]
+    assert main([*base, "--plot", str(tmp_path / "p.html")]) == 2
+    assert "--plot draws the configurations' step times: give --time N" in capsys.readouterr().err
+    assert main([*base, "--time", "1", "--plot", str(tmp_path / "p.svg")]) == 2
+    assert "the file must end in .html or .png" in capsys.readouterr().err
+    assert main([*base, "--time", "1", "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before the search: nothing written

@@ -282,3 +282,49 @@ def test_a_judged_estimate_draws_the_gpu_s_usable_bytes_and_an_unjudged_one_does
     assert "reserved" in {t.name for t in fig.data}
     plain = plots.timeline_figure(memkit.estimate("dit", size="tiny"))
     assert not any("usable" in (t.name or "") for t in plain.data)
+
+
+def a_plan(points, usable=10 * 2**30):
+    """A memkit.Plan over candidates ``(step seconds or None, peak reserved bytes)`` on a card with ``usable`` bytes,
+    the timed fitting ones first, fastest first (as plan() ranks what it times)."""
+    from memkit.planning import Candidate, Plan
+
+    total = usable + (1 << 40) - memkit.gpus.GPU("p", "p", (1 << 40, 1 << 40), "", 90).usable_bytes()[0]
+    gpu = memkit.gpus.GPU("test", "a test card", (total, total), "a test card", 90)
+    tried = [
+        Candidate({}, "", (), ("--optimizer", f"opt{i}") if i else (), m, m, m <= usable, usable - m, t)
+        for i, (t, m) in enumerate(points)
+    ]
+    fitting = [c for c in tried if c.fits]
+    timed = sorted((c for c in fitting if c.step_seconds is not None), key=lambda c: c.step_seconds)
+    return Plan(gpu, timed + [c for c in fitting if c.step_seconds is None], tried, len(tried), 0.0)
+
+
+def test_plan_figure_draws_each_timed_configuration_the_frontier_the_gpu_and_the_choice():
+    GiB = 2**30
+    # (seconds, bytes): the fastest is too large; 1 and 3 fit, 3 is beaten by 1 (slower and larger); 4 is not timed
+    p = a_plan([(1.0, 12 * GiB), (2.0, 8 * GiB), (4.0, 4 * GiB), (3.0, 9 * GiB), (None, 2 * GiB)])
+    fig = plots.plan_figure(p)
+    traces = {tr.name: tr for tr in fig.data}
+    fits, fails = traces["fits"], traces["does not fit"]
+    assert (list(fits.x), list(fits.y)) == ([2.0, 4.0, 3.0], [8, 4, 9]) and fits.marker.symbol == "circle"
+    assert (list(fails.x), list(fails.y)) == ([1.0], [12]) and fails.marker.symbol == "x"
+    assert list(fits.customdata) == ["--optimizer opt1", "--optimizer opt2", "--optimizer opt3"]
+    assert list(fails.customdata) == ["(nothing switched on)"]  # the hover names the flags
+    frontier = traces["frontier (no other both faster and smaller)"]
+    assert (list(frontier.x), list(frontier.y)) == ([1.0, 2.0, 4.0], [12, 8, 4]) and frontier.line.shape == "hv"
+    chosen = traces["chosen: --optimizer opt1"]
+    assert (list(chosen.x), list(chosen.y)) == ([2.0], [8])
+    (line,) = fig.layout.shapes
+    assert line.y0 == line.y1 == 10 and line.line.dash == "dash"
+    high = p.gpu.usable_bytes()[1] / GiB  # the context's spread above the low end the line is drawn at
+    assert [a.text for a in fig.layout.annotations] == [f"a test card: usable 10.00 GiB (spread to {high:.2f} GiB)"]
+    assert "1 estimated without a step time (not drawn)" in fig.layout.title.text
+    assert "steady step" in fig.layout.xaxis.title.text and "a test card" in fig.layout.xaxis.title.text
+    assert all(w in fig.layout.yaxis.title.text for w in ("GiB", "first or steady step", "reserved bytes", "cuda"))
+    assert fig.layout.yaxis.range[0] == 0 and fig.layout.yaxis.range[1] > 12
+
+
+def test_plan_figure_needs_step_times_and_says_how_to_get_them():
+    with pytest.raises(ValueError, match=r"plan with time_steps=N \(memkit plan \.\.\. --time N\)"):
+        plots.plan_figure(a_plan([(None, 2**30), (None, 2**31)]))

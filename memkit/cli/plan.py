@@ -6,7 +6,16 @@ import argparse
 import json
 import sys
 
-from ._common import SIZE_FLAGS, CLIError, add_optimization_flags, optimization_specs, optimizations_from, rows_text
+from ._common import (
+    SIZE_FLAGS,
+    CLIError,
+    add_optimization_flags,
+    check_writable,
+    optimization_specs,
+    optimizations_from,
+    rows_text,
+    write_figure,
+)
 
 SUMMARY = "search the memory-saving settings for the fastest configuration that fits a GPU"
 
@@ -23,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
         "runs), the feed-forward split, checkpointing and the allocator's expandable segments, and lists the "
         "configurations that fit, fastest first, each with the `memkit estimate` flags that reproduce it.",
         epilog="examples:\n  memkit plan flux --gpu 4090 --lora 16\n  memkit plan flux --gpu h100 --json\n"
-        "  memkit plan wan --gpu 24GiB --lora 32 --frames 33",
+        "  memkit plan wan --gpu 24GiB --lora 32 --frames 33\n"
+        "  memkit plan flux --gpu 4090 --lora 16 --time 6 --plot plan.html",
         formatter_class=formatter,
     )
     p.add_argument("preset", metavar="MODEL", help="a preset, its hub id, a folder or a config.json")
@@ -57,6 +67,14 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
         help="instead of searching the settings: with the fixed ones, the largest batch size, resolution (height, "
         "the width keeping the preset's aspect) or frame count that fits, by a bisection on estimates",
     )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="with --time N: write the frontier figure (step time against peak reserved memory, each timed "
+        "configuration, the GPU's usable bytes, the chosen one; memkit.plots.plan_figure) as FILE.html, or FILE.png "
+        "(needs kaleido and Chromium)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
     p.set_defaults(run=run, optimization_specs=specs)
 
@@ -79,6 +97,14 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--time takes an int >= 0 (configurations to time), got {args.time}")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size takes an int >= 1, got {args.batch_size}")
+    if args.plot is not None:
+        if args.maximize is not None:
+            raise CLIError("--plot draws the search's configurations; --maximize searches a size, not them")
+        if args.time < 1:
+            raise CLIError("--plot draws the configurations' step times: give --time N (N >= 1) to time the first N")
+        if not args.plot.lower().endswith((".html", ".png")):
+            raise CLIError(f"--plot {args.plot}: the file must end in .html or .png")
+        check_writable(args.plot)
     fixed = optimizations_from(args, args.optimization_specs)
     sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
     out = sys.stderr if args.json else sys.stdout
@@ -100,7 +126,27 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
     if args.json:
         print(json.dumps(result.summary(), indent=2))
-        return 0 if result.configs else 1
+    else:
+        _print(args, result, out)
+    if args.plot is not None:
+        _plot(result, args.plot, out)
+    return 0 if result.configs else 1
+
+
+def _plot(result, path: str, out) -> None:
+    """The frontier figure written to ``path`` (.html or .png)."""
+    from ..plots import plan_figure
+
+    try:
+        fig = plan_figure(result)
+    except ValueError as e:  # nothing timed: a GPU without compute figures, a mixed-precision run
+        raise CLIError(f"--plot {path}: {e}", code=1) from None
+    write_figure(fig, path, png=path.lower().endswith(".png"), what="plan")
+    print(f"wrote {path}", file=out)
+
+
+def _print(args: argparse.Namespace, result, out) -> None:
+    """The plan as a table: its GPU, then each configuration that fits, fastest first."""
     gib = 2**30
     print(
         f"memkit plan: {args.preset} ({args.size}) on {result.gpu.name} "
@@ -116,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
              f"{c.peak_reserved_bytes / gib:.2f} GiB reserved, headroom {c.headroom_bytes / gib:.2f} GiB, {time_}")
         )  # fmt: skip
     print(rows_text(rows) if rows else "  nothing fits", file=out)
-    return 0 if result.configs else 1
 
 
 def _maximize(args: argparse.Namespace, fixed: list, sizes: dict) -> int:
