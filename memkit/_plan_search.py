@@ -53,6 +53,18 @@ class Candidate:
     why: str = ""
     """Why it is slower than the fastest configuration, where it is."""
 
+    @property
+    def level_index(self) -> dict[str, int]:
+        """Each dimension of :data:`DIMENSIONS` at its level's index (0: off; one not searched: 0): the higher, the
+        more switched on, saving memory and costing time. One configuration switches on no more than another when
+        each of its indices is at most the other's; the plan's search assumes it then needs no less memory.
+
+        Example:
+            >>> memkit.plan("flux", "4090", lora=16).best.level_index
+            {'optimizer': 0, 'quantize': 1, 'ff_split': 0, 'checkpointing': 1}
+        """
+        return {d: DIMENSIONS[d].index(self.levels.get(d, levels[0])) for d, levels in DIMENSIONS.items()}
+
     def summary(self) -> dict[str, Any]:
         return dict(
             flags=list(self.flags), peak_bytes=self.peak_bytes, peak_reserved_bytes=self.peak_reserved_bytes,

@@ -251,3 +251,11 @@ def test_the_command_line_s_plot_needs_step_times_and_a_known_format(tmp_path, c
     assert main([*base, "--time", "1", "--plot", str(tmp_path / "no" / "p.png")]) == 2
     assert "cannot write" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before the search: nothing written
+
+
+def test_level_index_counts_each_dimension_s_levels_from_off():
+    from memkit.planning import Candidate
+
+    c = Candidate({"optimizer": "adamw8bit", "quantize": "nf4", "ff_split": None}, "", (), (), 0, 0, True, 0)
+    # adamw8bit is the optimizer's second level, nf4 the quantized base's third; ff_split off, checkpointing unsearched
+    assert c.level_index == {"optimizer": 1, "quantize": 2, "ff_split": 0, "checkpointing": 0}
