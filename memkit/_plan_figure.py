@@ -24,12 +24,13 @@ def plan_figure(plan: Any, *, unit: Unit = "GiB") -> go.Figure:
 
     Each timed configuration is a point (a circle if it fits the GPU, a cross if not; hover: its ``memkit estimate``
     flags, time, bytes and headroom); the frontier (:meth:`memkit.Plan.frontier`: none of the others both faster and
-    smaller) is a dotted staircase, the least memory any configuration needs at each step time; the GPU's usable bytes
-    (the low end of its spread) are a dashed line with its name; the plan's choice (``plan.best``) is ringed with a
-    star. Read it right to left: each step down the staircase saves memory at the price of time, and the chosen
-    configuration is the leftmost (fastest) point under the line. The bytes are each configuration's peak reserved
-    bytes (the larger of the first and the steady step, device cuda); the time is :mod:`memkit.steptime`'s estimate of
-    the steady step on the plan's GPU. Configurations the plan did not time are not drawn (the title counts them).
+    smaller) is a dotted staircase through its points, the least memory any configuration needs at each step time; the
+    GPU's usable bytes (the low end of its spread) are a dashed line with its name; the plan's choice (``plan.best``)
+    is ringed with a star. Read it left to right: each step down the staircase saves memory at the price of time, and
+    the chosen configuration is the leftmost (fastest) timed point under the line. The bytes are each configuration's
+    peak reserved bytes (the larger of the first and the steady step, device cuda); the time is
+    :mod:`memkit.steptime`'s estimate of the steady step on the plan's GPU. Configurations the plan did not time are
+    not drawn (the title counts them).
 
     Raises a ValueError when no configuration has a step time: plan with ``time_steps=N``.
 
@@ -54,8 +55,9 @@ def plan_figure(plan: Any, *, unit: Unit = "GiB") -> go.Figure:
                 hovertemplate=hover + f"<extra>{name}</extra>",
             ))  # fmt: skip
     fig.add_trace(go.Scatter(
-        x=[c.step_seconds for c in frontier], y=[c.peak_reserved_bytes / div for c in frontier], mode="lines",
-        line_shape="hv", line=_FRONTIER, name="frontier (no other both faster and smaller)", hoverinfo="skip",
+        x=[c.step_seconds for c in frontier], y=[c.peak_reserved_bytes / div for c in frontier], mode="lines+markers",
+        line_shape="hv", line=_FRONTIER, marker={"size": 4, "color": _FRONTIER["color"]}, hoverinfo="skip",
+        name="frontier (no other both faster and smaller)",
     ))  # fmt: skip
     drawn = best is not None and best.step_seconds is not None
     if drawn:
@@ -79,7 +81,7 @@ def plan_figure(plan: Any, *, unit: Unit = "GiB") -> go.Figure:
     fig.update_layout(title=title, hovermode="closest", **_LAYOUT)
     fig.update_xaxes(title_text=f"estimated step time (s): steady step, on the {gpu.name}")
     fig.update_yaxes(
-        title_text=f"peak reserved ({unit}): first or steady step, the larger; reserved bytes; cuda",
+        title_text=f"peak reserved ({unit}): first/steady step, reserved bytes, cuda",
         range=[0, 1.12 * top],  # from zero, with room for the GPU's label
     )  # fmt: skip
     return fig

@@ -321,7 +321,7 @@ def test_plan_figure_draws_each_timed_configuration_the_frontier_the_gpu_and_the
     assert [a.text for a in fig.layout.annotations] == [f"a test card: usable 10.00 GiB (spread to {high:.2f} GiB)"]
     assert "1 estimated without a step time (not drawn)" in fig.layout.title.text
     assert "steady step" in fig.layout.xaxis.title.text and "a test card" in fig.layout.xaxis.title.text
-    assert all(w in fig.layout.yaxis.title.text for w in ("GiB", "first or steady step", "reserved bytes", "cuda"))
+    assert all(w in fig.layout.yaxis.title.text for w in ("GiB", "first/steady step", "reserved bytes", "cuda"))
     assert fig.layout.yaxis.range[0] == 0 and fig.layout.yaxis.range[1] > 12
 
 
