@@ -30,7 +30,9 @@ fit form an up-set of the grid and the interesting ones are its minimal elements
 it estimates the configuration with every dimension at its last level first (if that does not fit, nothing does, and
 the plan says so with the smallest peak found and what holds it), then relaxes one dimension at a time, the most
 expensive in step time first, to the lowest level that still fits. Every configuration it estimated that fits is
-ranked by its estimated step time (:mod:`memkit.steptime`, where available on this GPU).
+ranked by its estimated step time (:mod:`memkit.steptime`, where available on this GPU). ``Plan.frontier()`` keeps
+the timed configurations no other beats in both step time and peak reserved bytes; :func:`memkit.plots.plan_figure`
+draws them against the GPU's usable bytes.
 """
 
 from __future__ import annotations
