@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -259,3 +260,14 @@ def test_level_index_counts_each_dimension_s_levels_from_off():
     c = Candidate({"optimizer": "adamw8bit", "quantize": "nf4", "ff_split": None}, "", (), (), 0, 0, True, 0)
     # adamw8bit is the optimizer's second level, nf4 the quantized base's third; ff_split off, checkpointing unsearched
     assert c.level_index == {"optimizer": 1, "quantize": 2, "ff_split": 0, "checkpointing": 0}
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"), reason="PNG export needs Chromium at /usr/bin/chromium")
+@pytest.mark.slow  # kaleido starts Chromium: seconds
+def test_the_command_line_s_plot_writes_a_png(tmp_path, monkeypatch, capsys):
+    from memkit.cli import main
+
+    monkeypatch.setattr(memkit, "plan", lambda *a, **k: synthetic_plan([(0.5, 2), (0.25, 4), (None, 1)], usable=3))
+    out = tmp_path / "plan.png"
+    assert main(["plan", PRESET, "--gpu", "4090", "--lora", "4", "--time", "1", "--plot", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in capsys.readouterr().out
