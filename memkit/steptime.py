@@ -196,18 +196,22 @@ class _Counter(TorchDispatchMode):
             # what crosses the link: the host side of the copy (a host op's bytes stay on the host)
             side = outs if host_out else ins
             moved = sum(_nbytes(t) for t in side if t.untyped_storage()._cdata in self.host)
-            self.ops[Op(kind, 0, moved, 0, recompute)] += 1
+            self._add(Op(kind, 0, moved, 0, recompute), outs[0])
             return out
         kind = "optimizer" if self.optimizer else _kind(name)
         if name.startswith("_foreach_"):  # one op per tensor, as the sum of per-tensor kernels it stands for
             lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
             for i, o in enumerate(outs):
                 read = sum(_nbytes(a[i]) for a in lists if i < len(a))
-                self.ops[Op(kind, 0, read, _nbytes(o), recompute)] += 1
+                self._add(Op(kind, 0, read, _nbytes(o), recompute), o)
             return out
         flops = _flops(func, name, args, kwargs, out) if kind != "elementwise" else 0
-        self.ops[Op(kind, flops, sum(map(_nbytes, ins)), sum(map(_nbytes, outs)), recompute)] += 1
+        self._add(Op(kind, flops, sum(map(_nbytes, ins)), sum(map(_nbytes, outs)), recompute), outs[0])
         return out
+
+    def _add(self, op: Op, out: torch.Tensor) -> None:
+        """Count ``op`` once (``out``: the tensor it made or wrote, for a subclass that asks whose op it is)."""
+        self.ops[op] += 1
 
     @contextlib.contextmanager
     def hooks(self):
