@@ -49,9 +49,12 @@ class Candidate:
     fits: bool
     headroom_bytes: int
     step_seconds: float | None = None
-    """Estimated seconds per step on the GPU (None where the GPU has no compute figures)."""
+    """Estimated seconds per step on the GPU, from the estimate's own ops (:mod:`memkit.steptime`; None where the GPU
+    has no compute figures, or with ``step_time=False``)."""
     why: str = ""
-    """Why it is slower than the fastest configuration, where it is."""
+    """Why it is slower than the fastest configuration of the grid (:attr:`Plan.unconstrained`), where it is."""
+    step_time: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """The :class:`memkit.steptime.StepTime` behind ``step_seconds`` (where the seconds go), or None."""
 
     def summary(self) -> dict[str, Any]:
         return dict(
@@ -82,6 +85,9 @@ class Plan:
     """True when the search was stopped (Ctrl-C): ``configs`` holds what it found so far."""
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     """Dimensions left out of the search because the fixed settings refuse them, with the refusal."""
+    unconstrained: Candidate | None = None
+    """The configuration with nothing switched on (the fastest of the grid), fitting or not, where step times were
+    estimated: each configuration's ``why`` says what it costs beside it."""
 
     @property
     def best(self) -> Candidate | None:
@@ -93,6 +99,7 @@ class Plan:
             gpu=self.gpu.key, gpu_name=self.gpu.name, usable_bytes=list(self.gpu.usable_bytes()),
             configs=[c.summary() for c in self.configs], tried=[c.summary() for c in self.tried],
             estimates=self.estimates, seconds=self.seconds, interrupted=self.interrupted, refused=self.refused,
+            unconstrained=self.unconstrained.summary() if self.unconstrained is not None else None,
         )  # fmt: skip
 
 
@@ -109,7 +116,7 @@ def plan(
     search: Sequence[str] = tuple(DIMENSIONS),
     size: str = "full",
     progress: Callable[[str], None] | None = None,
-    time_steps: int = 0,
+    step_time: bool = True,
     **estimate_kwargs: Any,
 ) -> Plan:
     """The fastest configuration of ``model``'s training step that fits ``gpu``, and the others that fit.
@@ -124,9 +131,10 @@ def plan(
         size, estimate_kwargs: :func:`memkit.estimate`'s (``batch_size``, ``mixed_precision``, ``height``...); the
             estimates are for ``device="cuda"``, the first and the steady step.
         progress: called with a line per estimate.
-        time_steps: how many of the fitting configurations (the cheapest by their levels first) get a step time from
-            :mod:`memkit.steptime` and are ranked by it; each costs a count of the step's ops on fake tensors (full
-            Flux: 29 s in a fresh process on 2 cores), so the default 0 ranks by the levels switched on alone.
+        step_time: count each estimate's ops as it runs (``estimate(count_ops=True)``, about a fifth more time per
+            estimate) and rank the configurations that fit by their step time on ``gpu`` (:mod:`memkit.steptime`'s
+            roofline), against the configuration with nothing switched on (estimated too: :attr:`Plan.
+            unconstrained`). False, or a GPU without compute figures: ranked by the levels switched on alone.
 
     Returns a :class:`Plan`. Raises :class:`NothingFits` (a ValueError) when even every dimension at its last level
     does not fit, naming the smallest peak found and the categories holding it. A Ctrl-C during the search returns
@@ -210,8 +218,9 @@ def plan(
             progress(f"estimating {dict((k, v) for k, v in levels.items() if v) or 'nothing switched on'}")
         opts = objects(levels)
         tl = estimate(model, size=size, optimizations=list(opts), optimizer=levels.get("optimizer", "adamw"),
-                      device="cuda", progress=False, **estimate_kwargs)  # fmt: skip
+                      device="cuda", progress=False, count_ops=timing, **estimate_kwargs)  # fmt: skip
         count += 1
+        timed = _step_time(tl, card, estimate_kwargs) if timing else None
         found = []
         for conf in ALLOC_CONFS:
             if conf == "":
@@ -220,7 +229,7 @@ def plan(
                 reserved = replay_reserved(tl, baseline_blocks=tl.baseline_blocks or (), alloc_conf=conf).peak_bytes
             v = gpus.verdict(reserved, card)
             cand = Candidate(dict(levels), conf, opts, flags_of(levels, conf), tl.peak_bytes, reserved, v.fits,
-                             v.headroom_bytes)  # fmt: skip
+                             v.headroom_bytes, timed and timed.seconds, step_time=timed)  # fmt: skip
             found.append(cand)
             tried.append(cand)
         seen[key] = found
@@ -229,6 +238,7 @@ def plan(
     def fits(levels: dict[str, Any]) -> bool:
         return any(c.fits for c in evaluate(levels))
 
+    timing = step_time and getattr(card, "flops", None) is not None
     interrupted = False
     refused: dict[str, str] = {}
     weight = {d: len(RELAX_ORDER) - i for i, d in enumerate(RELAX_ORDER)}
@@ -280,14 +290,17 @@ def plan(
                 continue
             if fits(levels):
                 current = levels
+        # the fastest of the grid, fitting or not: what every configuration's step time is set against
+        unconstrained = evaluate({d: DIMENSIONS[d][0] for d in dims})[0] if timing else None
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted, unconstrained = True, None
     fitting = [c for c in tried if c.fits]
-    fitting.sort(key=lambda c: (cost(c.levels), c.alloc_conf != ""))  # then torch's allocator defaults first
+    # fastest first (else the fewest levels switched on), then torch's allocator defaults first
+    fitting.sort(key=lambda c: (c.step_seconds if timing else 0, cost(c.levels), c.alloc_conf != ""))
     fitting = list(dict((c.flags, c) for c in fitting).values())
-    if not interrupted:
-        fitting = _timed(fitting, model, card, size, time_steps, estimate_kwargs)
-    return Plan(card, fitting, tried, count, time.perf_counter() - t0, interrupted, refused)
+    if unconstrained is not None:
+        fitting = [dataclasses.replace(c, why=_slower(c, unconstrained)) for c in fitting]
+    return Plan(card, fitting, tried, count, time.perf_counter() - t0, interrupted, refused, unconstrained)
 
 
 def _refusing(top: dict[str, Any], dims: Sequence[str], evaluate) -> str | None:
@@ -302,34 +315,40 @@ def _refusing(top: dict[str, Any], dims: Sequence[str], evaluate) -> str | None:
     return None
 
 
-def _timed(fitting: list[Candidate], model, card, size, n, estimate_kwargs) -> list[Candidate]:
-    """The first ``n`` candidates with their estimated step time, ranked by it (where the GPU has compute figures and
-    :mod:`memkit.steptime` is there); the rest after them, as they were."""
-    try:
-        from . import steptime
-    except ImportError:
-        return fitting
-    if getattr(card, "flops", None) is None:
-        return fitting
-    if estimate_kwargs.get("mixed_precision") is not None:  # the counted step is the pure-dtype one
-        return fitting
-    sizes = {k: v for k, v in estimate_kwargs.items() if k in ("height", "width", "frames", "text_len")}
-    counted = {k: estimate_kwargs[k] for k in ("batch_size", "dtype", "seed") if k in estimate_kwargs}
-    dtype = {"float16": "fp16", "float32": "tf32"}.get(str(estimate_kwargs.get("dtype") or "").replace("torch.", ""))
-    timed = []
-    for c in fitting[:n]:
-        counts = steptime.count_ops(model, size=size, optimizations=list(c.optimizations),
-                                    optimizer=c.levels.get("optimizer", "adamw"), **counted, **sizes)  # fmt: skip
-        t = steptime.step_seconds(counts, card, dtype=dtype or "bf16")
-        timed.append(dataclasses.replace(c, step_seconds=t.seconds, why=getattr(t, "why", "")))
-    timed.sort(key=lambda c: c.step_seconds)
-    fastest = timed[0].step_seconds if timed else None
-    timed = [
-        dataclasses.replace(c, why=f"{c.step_seconds / fastest:.2f}x the fastest: {c.why}" if c.why else c.why)
-        if fastest and c.step_seconds > fastest else c
-        for c in timed
-    ]  # fmt: skip
-    return timed + fitting[n:]
+def _step_time(tl, card, estimate_kwargs):
+    """The roofline time on ``card`` of the ops the estimate ``tl`` counted, at the step's matmul dtype."""
+    from . import steptime
+
+    dtype = str(estimate_kwargs.get("dtype") or "").replace("torch.", "")
+    kind = estimate_kwargs.get("mixed_precision") or {"float16": "fp16", "float32": "tf32"}.get(dtype, "bf16")
+    return steptime.step_seconds(tl.op_counts, card, dtype=kind)
+
+
+def _slower(c: Candidate, base: Candidate) -> str:
+    from .units import format_seconds
+
+    """What ``c`` spends beside ``base`` (the configuration with nothing switched on): recompute, bytes moved over the
+    host link or disk, and the other device ops' extra seconds with the class most of them are in (elementwise: a
+    dequantization's work, a chunked feed-forward's copies; optimizer: an 8-bit update's)."""
+    if c.step_time is None or base.step_time is None or c.step_seconds <= base.step_seconds:
+        return ""
+    t, b = c.step_time, base.step_time
+    parts = []
+    if t.recompute_seconds > b.recompute_seconds:
+        parts.append(f"{format_seconds(t.recompute_seconds - b.recompute_seconds)} recomputing checkpointed forwards")
+    if t.transfer_seconds > b.transfer_seconds:
+        moved = format_seconds(t.transfer_seconds - b.transfer_seconds)
+        parts.append(f"{moved} moving bytes over the host link or disk")
+    device = (t.compute_bound_seconds + t.memory_bound_seconds - t.recompute_seconds) - (
+        b.compute_bound_seconds + b.memory_bound_seconds - b.recompute_seconds
+    )
+    if device > 0.005 * base.step_seconds:
+        kinds = ("matmul", "attention", "conv", "elementwise", "optimizer")
+        first = {k: t.by_class[k] - t.recompute_by_class[k] - b.by_class[k] + b.recompute_by_class[k] for k in kinds}
+        lead = max(kinds, key=first.__getitem__)
+        parts.append(f"{format_seconds(device)} more in the other device ops (most in {lead})")
+    ratio = c.step_seconds / base.step_seconds
+    return f"{ratio:.2f}x the step with nothing switched on: " + ("; ".join(parts) or "the same ops, reordered")
 
 
 def _at_most(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -29,8 +29,10 @@ Each level saves memory and costs time (more recompute, dequantization, smaller 
 fit form an up-set of the grid and the interesting ones are its minimal elements. The search does not walk the grid:
 it estimates the configuration with every dimension at its last level first (if that does not fit, nothing does, and
 the plan says so with the smallest peak found and what holds it), then relaxes one dimension at a time, the most
-expensive in step time first, to the lowest level that still fits. Every configuration it estimated that fits is
-ranked by its estimated step time (:mod:`memkit.steptime`, where available on this GPU).
+expensive in step time first, to the lowest level that still fits. Every estimate counts its steady step's ops as it
+runs (``estimate(count_ops=True)``), so every configuration estimated that fits is ranked by its step time on the GPU
+(:mod:`memkit.steptime`'s roofline, where the GPU has compute figures), and says what it spends beside the
+configuration with nothing switched on (estimated too: :attr:`Plan.unconstrained`).
 """
 
 from __future__ import annotations
