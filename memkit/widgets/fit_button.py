@@ -170,7 +170,7 @@ def _chosen(result: FitResult, state: Any) -> str:
         f"{format_bytes(best.peak_reserved_bytes)} reserved ({step}, {allocator}) of {format_bytes(low)}–"
         f"{format_bytes(high)} usable: {format_bytes(best.headroom_bytes)} headroom (to the low end). "
         f"{result.estimates} estimates at {state.estimate_size} size in {result.seconds:.1f} s"
-        + (f"; {others} other configurations fit too (slower)" if others > 0 else "")
+        + (f"; {others} other configurations fit too, ranked after it" if others > 0 else "")
         + ". Set: "
         + ", ".join(_set_words(result.settings))
     )
