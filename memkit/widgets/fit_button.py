@@ -22,7 +22,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from .. import gpus
-from ..units import format_bytes
+from ..units import format_bytes, format_seconds
 from .fit import FitResult, FitSettings, fit
 from .panels import set_tooltip
 
@@ -165,12 +165,20 @@ def _chosen(result: FitResult, state: Any) -> str:
     step = {None: "the larger of the first and the steady step", 1: "first step"}.get(steps, f"step {steps}")
     allocator = f"with {best.alloc_conf}" if best.alloc_conf else "torch's allocator defaults"
     others = len(result.plan.configs) - 1
+    rank = "no faster on the roofline" if best.step_seconds is not None else "ranked after it"
     text = (
         f"Fit to GPU, {card.name}: {' '.join(best.flags) or 'nothing switched on'}. Peak "
         f"{format_bytes(best.peak_reserved_bytes)} reserved ({step}, {allocator}) of {format_bytes(low)}–"
         f"{format_bytes(high)} usable: {format_bytes(best.headroom_bytes)} headroom (to the low end). "
-        f"{result.estimates} estimates at {state.estimate_size} size in {result.seconds:.1f} s"
-        + (f"; {others} other configurations fit too, ranked after it" if others > 0 else "")
+        + (
+            f"Step time {format_seconds(best.step_seconds)} on its roofline (steady step)"
+            + (f", {best.why}" if best.why else "")
+            + ". "
+            if best.step_seconds is not None
+            else ""
+        )
+        + f"{result.estimates} estimates at {state.estimate_size} size in {result.seconds:.1f} s"
+        + (f"; {others} other configurations fit too, {rank}" if others > 0 else "")
         + ". Set: "
         + ", ".join(_set_words(result.settings))
     )
