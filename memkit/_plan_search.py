@@ -88,6 +88,9 @@ class Plan:
     unconstrained: Candidate | None = None
     """The configuration with nothing switched on (the fastest of the grid), fitting or not, where step times were
     estimated: each configuration's ``why`` says what it costs beside it."""
+    untimed: str = ""
+    """Why the configurations have no step time ("" where they have one): ``step_time=False``, or a GPU without a
+    FLOP/s figure for the step's dtype (a T4 has no bf16)."""
 
     @property
     def best(self) -> Candidate | None:
@@ -100,6 +103,7 @@ class Plan:
             configs=[c.summary() for c in self.configs], tried=[c.summary() for c in self.tried],
             estimates=self.estimates, seconds=self.seconds, interrupted=self.interrupted, refused=self.refused,
             unconstrained=self.unconstrained.summary() if self.unconstrained is not None else None,
+            untimed=self.untimed,
         )  # fmt: skip
 
 
@@ -238,7 +242,16 @@ def plan(
     def fits(levels: dict[str, Any]) -> bool:
         return any(c.fits for c in evaluate(levels))
 
-    timing = step_time and getattr(card, "flops", None) is not None
+    flops = getattr(card, "flops", None)
+    kind = _matmul_dtype(estimate_kwargs)
+    untimed = (
+        "step_time=False" if not step_time
+        else f"{card.name} has no compute figures in memkit.gpus" if flops is None
+        else f"{card.name} has no {kind} FLOP/s figure ({', '.join(sorted(flops))} only): a {kind} step's time on it "
+        "is not modelled" if kind not in flops
+        else ""
+    )  # fmt: skip
+    timing = not untimed
     interrupted = False
     refused: dict[str, str] = {}
     weight = {d: len(RELAX_ORDER) - i for i, d in enumerate(RELAX_ORDER)}
@@ -300,7 +313,7 @@ def plan(
     fitting = list(dict((c.flags, c) for c in fitting).values())
     if unconstrained is not None:
         fitting = [dataclasses.replace(c, why=_slower(c, unconstrained)) for c in fitting]
-    return Plan(card, fitting, tried, count, time.perf_counter() - t0, interrupted, refused, unconstrained)
+    return Plan(card, fitting, tried, count, time.perf_counter() - t0, interrupted, refused, unconstrained, untimed)
 
 
 def _refusing(top: dict[str, Any], dims: Sequence[str], evaluate) -> str | None:
@@ -315,13 +328,17 @@ def _refusing(top: dict[str, Any], dims: Sequence[str], evaluate) -> str | None:
     return None
 
 
+def _matmul_dtype(estimate_kwargs) -> str:
+    """The roofline's dtype for the step's matmuls: the mixed-precision one, else the step's dtype (bf16 default)."""
+    dtype = str(estimate_kwargs.get("dtype") or "").replace("torch.", "")
+    return estimate_kwargs.get("mixed_precision") or {"float16": "fp16", "float32": "tf32"}.get(dtype, "bf16")
+
+
 def _step_time(tl, card, estimate_kwargs):
     """The roofline time on ``card`` of the ops the estimate ``tl`` counted, at the step's matmul dtype."""
     from . import steptime
 
-    dtype = str(estimate_kwargs.get("dtype") or "").replace("torch.", "")
-    kind = estimate_kwargs.get("mixed_precision") or {"float16": "fp16", "float32": "tf32"}.get(dtype, "bf16")
-    return steptime.step_seconds(tl.op_counts, card, dtype=kind)
+    return steptime.step_seconds(tl.op_counts, card, dtype=_matmul_dtype(estimate_kwargs))
 
 
 def _slower(c: Candidate, base: Candidate) -> str:

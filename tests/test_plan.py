@@ -183,3 +183,10 @@ def test_maximize_refuses_what_a_preset_lacks():
         maximize(PRESET, "4090", "frames", size="tiny")
     with pytest.raises(ValueError, match=r"what must be one of \['batch', 'resolution', 'frames'\]"):
         maximize(PRESET, "4090", "steps", size="tiny")
+
+
+def test_a_gpu_without_the_steps_dtype_figure_gets_no_step_time_and_says_why():
+    # a T4 (Turing) has no bf16 tensor cores: its catalog entry holds fp16 and fp32 FLOP/s only
+    result = plan(PRESET, "t4", optimizations=[LORA], search=("optimizer",), **SIZES)
+    assert result.configs and all(c.step_seconds is None for c in result.tried) and result.unconstrained is None
+    assert result.untimed.startswith("Tesla T4 has no bf16 FLOP/s figure (fp16, fp32 only)")

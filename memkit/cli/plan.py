@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
               f"{time_}" + (f"; {c.why}" if c.why else ""), file=out)  # fmt: skip
     if not result.configs:
         print("  nothing fits", file=out)
+    if result.untimed and not args.json:
+        print(f"  no step times: {result.untimed}", file=out)
     u = result.unconstrained
     if u is not None:
         print(
