@@ -221,8 +221,10 @@ def plan(
         if progress is not None:
             progress(f"estimating {dict((k, v) for k, v in levels.items() if v) or 'nothing switched on'}")
         opts = objects(levels)
+        # counted whenever step times are asked for, even where this GPU cannot time them: a plan for another GPU
+        # reuses the estimate (its cached copy carries the counts)
         tl = estimate(model, size=size, optimizations=list(opts), optimizer=levels.get("optimizer", "adamw"),
-                      device="cuda", progress=False, count_ops=timing, **estimate_kwargs)  # fmt: skip
+                      device="cuda", progress=False, count_ops=step_time, **estimate_kwargs)  # fmt: skip
         count += 1
         timed = _step_time(tl, card, estimate_kwargs) if timing else None
         found = []
