@@ -43,6 +43,7 @@ import torch
 
 from ._maximize import MAXIMIZE, Largest, maximize  # noqa: F401 (memkit.planning's: re-exported)
 from ._plan_search import ALLOC_CONFS, DIMENSIONS, Candidate, NothingFits, Plan, _levels_grid, plan  # noqa: F401
+from ._plan_space import CATALOGUE, CONFLICTS, DEFAULT_SEARCH  # noqa: F401
 from .optimizations.checkpointing import Checkpointing
 
 
