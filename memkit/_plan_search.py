@@ -14,6 +14,7 @@ from ._plan_space import (
     CONFLICTS,
     DEFAULT_SEARCH,
     DIMENSIONS,
+    EMA_OFFLOAD_UNDER_FSDP,
     RELAX_ORDER,
     WEIGHTS,
     at_most,
@@ -140,9 +141,9 @@ def plan(
             Flux: 29 s in a fresh process on 2 cores), so the default 0 ranks by the levels switched on alone.
 
     Returns a :class:`Plan`. Raises :class:`NothingFits` (a ValueError) when none of the configurations at the top of
-    the space fits (every dimension at its last level; one per offload level and FSDP or not, conflicts settled
-    both ways), naming the smallest peak found and the categories holding it. A Ctrl-C during the search returns
-    the plan so far (``interrupted`` True).
+    the space fits (every dimension at its last level; FSDP or not, conflicts settled both ways) nor, where offload
+    is searched, any offloading one, naming the smallest peak found and the categories holding it. A Ctrl-C during
+    the search returns the plan so far (``interrupted`` True).
 
     Example:
         >>> p = memkit.plan("flux", "4090", lora=16)
@@ -210,6 +211,15 @@ def plan(
             if dim in dims and other in fixed_dims:
                 refused[dim] = f"{why}: it conflicts with the fixed {fixed_dims[other]}"
                 dims.remove(dim)
+    ema = next((o for o in fixed if type(o).__name__ == "EMA"), None)
+    pinned = {"fsdp": fixed_dims["fsdp"].world_size} if "fsdp" in fixed_dims else {}
+    if ema is not None and "ema" not in dims:
+        pinned["ema"] = ema.mode
+        if ema.mode == "offload" and "fsdp" in pinned:
+            raise ValueError(f"the fixed {ema} cannot go with the fixed {fixed_dims['fsdp']}: {EMA_OFFLOAD_UNDER_FSDP}")
+        if ema.mode == "offload" and "fsdp" in dims:
+            refused["fsdp"] = f"{EMA_OFFLOAD_UNDER_FSDP}: it conflicts with the fixed {ema}"
+            dims.remove("fsdp")
 
     def objects(levels: dict[str, Any]) -> tuple:
         return _objects(levels, fixed, lora_object)
@@ -263,7 +273,7 @@ def plan(
         current = None
         while True:
             try:
-                current = _first_fit(dims, space, cost, fits)
+                current = _first_fit(dims, space, cost, fits, pinned)
                 break
             except _Refused as refusal:  # the fixed settings refuse a dimension: it leaves the search
                 error, levels = refusal.args
@@ -287,7 +297,7 @@ def plan(
         for dim in [d for d in RELAX_ORDER if d in dims]:
             for level in space[dim][: space[dim].index(current[dim])]:
                 trial = {**current, dim: level}
-                if conflict(trial) is None and not failed_above(trial) and fits(trial):
+                if conflict(trial, pinned) is None and not failed_above(trial) and fits(trial):
                     current = trial
                     break
         # certify: every configuration cheaper than the one found is estimated, unless it conflicts or one saving as
@@ -295,7 +305,7 @@ def plan(
         for levels in sorted(_levels_grid(dims, space), key=cost):
             if cost(levels) >= cost(current):
                 break
-            if conflict(levels) is None and not failed_above(levels) and fits(levels):
+            if conflict(levels, pinned) is None and not failed_above(levels) and fits(levels):
                 current = levels
     except KeyboardInterrupt:
         interrupted = True
@@ -311,16 +321,16 @@ class _Refused(Exception):
     """An estimate raised: ``args`` are the error and the configuration."""
 
 
-def _first_fit(dims, space, cost, fits) -> dict[str, Any] | None:
+def _first_fit(dims, space, cost, fits, pinned) -> dict[str, Any] | None:
     """A configuration that fits: the cheapest of the :func:`tops` that fits, else the cheapest offloading one that
     fits (offloading is not monotone: each is estimated, in cost order), else None (nothing fits)."""
     off = "offload" in dims
     candidates = []
     if not off or None in space["offload"]:
-        candidates += sorted(tops(dims, {**space, "offload": (None,)} if off else space), key=cost)
+        candidates += sorted(tops(dims, {**space, "offload": (None,)} if off else space, pinned), key=cost)
     if off:
         grid = sorted(_levels_grid(dims, space), key=cost)
-        candidates += [c for c in grid if c["offload"] is not None and conflict(c) is None]
+        candidates += [c for c in grid if c["offload"] is not None and conflict(c, pinned) is None]
     for levels in candidates:
         try:
             if fits(levels):

@@ -101,11 +101,21 @@ def at_most(a: Mapping[str, Any], b: Mapping[str, Any], space: Mapping[str, Sequ
     return True
 
 
-def conflict(levels: Mapping[str, Any]) -> str | None:
-    """Why ``levels`` cannot be estimated (two dimensions of :data:`CONFLICTS` both on), or None."""
+EMA_OFFLOAD_UNDER_FSDP = (
+    "memkit.EMA(mode='offload') fails under memkit.FSDP (its device staging buffer is a plain tensor, the shards are "
+    "DTensors: torch refuses the mixed _foreach_copy_); its device and cpu_only placements work"
+)
+
+
+def conflict(levels: Mapping[str, Any], pinned: Mapping[str, Any] | None = None) -> str | None:
+    """Why ``levels`` (beside the fixed settings' ``pinned`` levels) cannot be estimated, or None: two dimensions of
+    :data:`CONFLICTS` both on, or an offloaded EMA under FSDP."""
+    levels = {**(pinned or {}), **levels}
     for (x, y), why in CONFLICTS.items():
         if levels.get(x) is not None and levels.get(y) is not None:
             return why
+    if levels.get("fsdp") is not None and levels.get("ema") == "offload":
+        return EMA_OFFLOAD_UNDER_FSDP
     return None
 
 
@@ -114,7 +124,7 @@ def grid(dims: Sequence[str], space: Mapping[str, Sequence[Any]] = DIMENSIONS) -
     return [dict(zip(dims, values, strict=True)) for values in itertools.product(*(space[d] for d in dims))]
 
 
-def tops(dims: Sequence[str], space: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+def tops(dims: Sequence[str], space: Mapping[str, Sequence[Any]], pinned=None) -> list[dict[str, Any]]:
     """The configurations no other one saves more than, offloading none (offload's own are searched one by one):
     every configuration that can be estimated and does not offload is :func:`at_most` one of them, so when none of
     them fits nothing without offload does. One per FSDP or not, each conflict settled both ways."""
@@ -129,7 +139,7 @@ def tops(dims: Sequence[str], space: Mapping[str, Sequence[Any]]) -> list[dict[s
         else:
             choices.append((top,))
     found = [dict(zip(dims, v, strict=True)) for v in itertools.product(*choices)]
-    found = [c for c in found if conflict(c) is None]
+    found = [c for c in found if conflict(c, pinned) is None]
     return [c for c in found if not any(o != c and at_most(c, o, space) for o in found)]
 
 
