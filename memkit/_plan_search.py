@@ -127,8 +127,9 @@ def plan(
             A fixed one takes its dimension out of the search, but for an EMA, whose placement (``mode``) is then
             searched (leave ``"ema"`` out of ``search`` to keep the one given). A fixed setting that conflicts with
             a dimension (an Offload or a Quantize with FSDP's) leaves that dimension out, in ``Plan.refused``.
-        search: the dimensions to search, of :data:`DIMENSIONS`; None: all that apply (``quantize`` with LoRA,
-            ``ema`` with a fixed EMA, ``fsdp`` with ``gpus`` > 1).
+        search: the dimensions to search, of :data:`DIMENSIONS`; None: those of :data:`DEFAULT_SEARCH` that apply
+            (``quantize`` with LoRA, ``ema`` with a fixed EMA, ``fsdp`` with ``gpus`` > 1): ``offload`` only when
+            named (it cannot beat checkpointing every block; see :data:`DEFAULT_SEARCH`).
         levels: a dimension's levels instead of its default ones, fastest first, of those :data:`CATALOGUE` lists
             (``{"checkpointing": (None, "every:2", "all")}``: partial checkpointing, a full estimate each).
         gpus: the GPUs the run has: above 1, ``fsdp`` searches sharding over each divisor of it (rank 0's memory;
@@ -148,7 +149,7 @@ def plan(
     Example:
         >>> p = memkit.plan("flux", "4090", lora=16)
         >>> print(p.best.flags, p.best.peak_reserved_bytes / 2**30, p.best.step_seconds)
-        >>> memkit.plan("flux", "h100", gpus=8, optimizations=[memkit.EMA()]).best.flags   # --fsdp 2 --ema offload ...
+        >>> memkit.plan("flux", "h100", gpus=8, optimizations=[memkit.EMA()]).best.flags  # FSDP's degree, EMA's mode
     """
     from . import gpus as gpus_module  # the argument gpus is the count
     from .estimation import estimate
