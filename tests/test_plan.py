@@ -216,6 +216,20 @@ def test_the_command_line_flags_reproduce_each_configuration(capsys):
     assert code == 0 and again["peak_reserved_bytes"] == first["peak_reserved_bytes"] and again["fits"]
 
 
+def test_the_command_line_refuses_bad_levels_and_gpus_naming_them(capsys):
+    from memkit.cli import main
+
+    cases = [
+        (["--levels", "checkpointing"], "--levels checkpointing: give DIM=LEVEL[,LEVEL...], DIM one of optimizer"),
+        (["--levels", "checkpointing=all,none"], "levels['checkpointing'] must name one or more of none, every:4"),
+        (["--gpus", "0"], "--gpus takes an int >= 1 (the GPUs the run has), got 0"),
+        (["--search", "fsdp"], "search names 'fsdp', which needs gpus=N above 1"),
+    ]
+    for flags, message in cases:
+        assert main(["plan", PRESET, "--size", "tiny", "--gpu", "4090", *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow  # two sharded estimates of tiny Flux (~15 s)
 def test_the_flags_of_offloading_fsdp_and_a_searched_ema_reproduce_each_configuration(capsys):
     from memkit.cli import main
