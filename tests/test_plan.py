@@ -26,46 +26,105 @@ def card(usable: int) -> gpus.GPU:
     return gpus.GPU("test", "a test card", (total, total), "a test card", 90)
 
 
-def brute_force(dims):
-    """Every configuration of the grid estimated: (levels, alloc conf, reserved bytes)."""
+def brute_force(dims, space=DIMENSIONS, ema=None, sizes=SIZES):
+    """Every configuration of the grid estimated: (levels, alloc conf, reserved bytes); a configuration the library
+    refuses (FSDP with a quantized base or group offloading, FFSplit with a quantized base) or fails on (an offloaded
+    EMA under FSDP) is not in the list."""
     from memkit.memory.reserved import replay_reserved
 
     rows = []
-    for levels in _levels_grid(dims):
+    for levels in _levels_grid(dims, space):
         opts = []
         if levels.get("quantize"):
             opts.append(memkit.Quantize(method=levels["quantize"]))
         opts.append(LORA)
+        if levels.get("checkpointing"):
+            opts.append(memkit.Checkpointing(pattern=levels["checkpointing"]))
         if levels.get("ff_split"):
             opts.append(memkit.FFSplit(splits=levels["ff_split"]))
-        if levels.get("checkpointing"):
-            opts.append(memkit.Checkpointing())
-        tl = memkit.estimate(PRESET, optimizations=opts, optimizer=levels["optimizer"], progress=False, **SIZES)
+        if levels.get("fsdp"):
+            opts.append(memkit.FSDP(world_size=levels["fsdp"]))
+        if ema is not None:
+            opts.append(memkit.EMA(mode=levels.get("ema", ema.mode), update_every=ema.update_every))
+        if levels.get("offload"):
+            opts.append(memkit.Offload(to=levels["offload"]))
+        if levels.get("fsdp") and levels.get("ema") == "offload":
+            continue  # EMA(mode="offload") under FSDP raises a RuntimeError (mixed Tensor and DTensor): not estimable
+        try:
+            tl = memkit.estimate(PRESET, optimizations=opts, optimizer=levels.get("optimizer", "adamw"),
+                                 device="cuda", progress=False, **sizes)  # fmt: skip
+        except ValueError:
+            continue
         for conf in ALLOC_CONFS:
             reserved = replay_reserved(tl, baseline_blocks=tl.baseline_blocks, alloc_conf=conf).peak_bytes
             rows.append((levels, conf, reserved))
     return rows
 
 
+PRIOR = {"ema": 5, "checkpointing": 4, "quantize": 3, "ff_split": 2, "optimizer": 1, "fsdp": 0.5}
+"""The step-time prior memkit.planning documents: a dimension's weight times its level's place (checkpointing: the
+share of blocks recomputed); offload outweighs all the others together."""
+
+
+def prior_cost(levels, space=DIMENSIONS):
+    share = {None: 0, "every:4": 0.25, "every:2": 0.5, "all": 1}
+    rest = sum(PRIOR[d] * (share[v] if d == "checkpointing" else space[d].index(v))
+               for d, v in levels.items() if d != "offload")  # fmt: skip
+    return (levels.get("offload") is not None, rest)
+
+
+def agrees_at_every_budget(rows, dims, space=DIMENSIONS, **kwargs):
+    """At a budget of each peak the grid reserves, and one below the least: the plan's first choice costs what the
+    brute force's cheapest fitting configuration costs, and where nothing fits the plan says so. Returns the plans."""
+    plans = []
+    for usable in sorted({r for _, _, r in rows} | {min(r for _, _, r in rows) - 1}):
+        gpu = card(usable)
+        fitting = [levels for levels, _, reserved in rows if gpus.verdict(reserved, gpu).fits]
+        if not fitting:
+            with pytest.raises(NothingFits):
+                plan(PRESET, gpu, search=dims, **kwargs)
+            continue
+        result = plan(PRESET, gpu, search=dims, **kwargs)
+        cheapest = min(prior_cost(levels, space) for levels in fitting)
+        assert result.best is not None and prior_cost(result.best.levels, space) == cheapest, (usable, result.best)
+        assert all(c.fits for c in result.configs)
+        assert {tuple(c.levels.items()) for c in result.configs} <= {tuple(levels.items()) for levels in fitting}
+        plans.append(result)
+    return plans
+
+
 @pytest.mark.slow  # the grid of 12 configurations estimated (~15 s)
 def test_the_plan_finds_the_cheapest_fitting_configuration_brute_force_finds():
     dims = ("optimizer", "quantize", "checkpointing")
     rows = brute_force(dims)
-    peaks = sorted({r for _, _, r in rows})
-    gpu = card((peaks[0] + peaks[-1]) // 2)  # between the least and the most any configuration reserves
-    fitting = [(levels, conf) for levels, conf, reserved in rows if gpus.verdict(reserved, gpu).fits]
-    assert fitting and len(fitting) < len(rows)  # the budget splits the grid
-    result = plan(PRESET, gpu, optimizations=[LORA], search=dims, progress=None, **SIZES)
-    weight = {"checkpointing": 4, "quantize": 3, "ff_split": 2, "optimizer": 1}
+    plans = agrees_at_every_budget(rows, dims, optimizations=[LORA], **SIZES)
+    assert min(p.estimates for p in plans) < len(_levels_grid(dims))  # pruned, not the grid (before the cache)
 
-    def cost(levels):
-        return sum(weight[d] * DIMENSIONS[d].index(v) for d, v in levels.items())
 
-    cheapest = min(cost(levels) for levels, _ in fitting)
-    assert result.best is not None and cost(result.best.levels) == cheapest
-    assert all(c.fits for c in result.configs)
-    assert {tuple(c.levels.items()) for c in result.configs} <= {tuple(levels.items()) for levels, _ in fitting}
-    assert result.estimates < len(_levels_grid(dims))  # pruned, not the grid
+SMALL = dict(size="small", height=256, width=256)  # weights outweigh activations: offloading and sharding show
+
+
+@pytest.mark.slow  # 6 configurations of small Flux, none memoized (~20 s)
+def test_offloading_is_searched_one_configuration_at_a_time_where_nothing_else_fits():
+    # under offloading checkpointing every 2nd block can reserve less than every block: no pruning there
+    dims, space = ("checkpointing", "offload"), {**DIMENSIONS, "checkpointing": (None, "every:2", "all")}
+    rows = brute_force(dims, space, sizes=SMALL)
+    least = min(r for levels, _, r in rows if levels["offload"] is None)
+    assert any(r < least for levels, _, r in rows if levels["offload"])  # some budgets only offloading meets
+    levels = {"checkpointing": space["checkpointing"]}
+    plans = agrees_at_every_budget(rows, dims, space, optimizations=[LORA], levels=levels, **SMALL)
+    assert any(p.best.levels["offload"] == "cpu" for p in plans)
+
+
+@pytest.mark.extended  # 48 configurations of small Flux, 12 of them sharded (~5 min)
+def test_the_plan_agrees_with_brute_force_over_ema_placement_and_fsdp():
+    ema = memkit.EMA(update_every=2)
+    dims = ("optimizer", "quantize", "checkpointing", "ema", "fsdp")
+    space = {**DIMENSIONS, "fsdp": (None, 2)}
+    rows = brute_force(dims, space, ema=ema, sizes=SMALL)
+    assert not any(levels["fsdp"] and levels["quantize"] for levels, _, _ in rows)  # FSDP refuses a quantized base
+    plans = agrees_at_every_budget(rows, dims, space, optimizations=[LORA, ema], gpus=2, **SMALL)
+    assert {p.best.levels["fsdp"] for p in plans} == {None, 2} and len({p.best.levels["ema"] for p in plans}) > 1
 
 
 def test_nothing_fits_names_the_smallest_peak_and_what_holds_it():
@@ -87,12 +146,46 @@ def test_a_dimension_the_fixed_settings_refuse_leaves_the_search_with_the_reason
 def test_bad_arguments_name_what_is_allowed():
     with pytest.raises(ValueError, match=r"search names \['offload-to-mars'\]; the dimensions are"):
         plan(PRESET, "4090", lora=4, search=("offload-to-mars",), **SIZES)
+    with pytest.raises(ValueError, match=r"gpus must be an int >= 1 \(the GPUs the run has\), got 0"):
+        plan(PRESET, "4090", lora=4, gpus=0, **SIZES)
+    with pytest.raises(ValueError, match=r"levels\['checkpointing'\] must name one or more of none, every:4, every:2, "
+                       r"all, each once, in that order \(fastest first\); got \['all', None\]"):  # fmt: skip
+        plan(PRESET, "4090", lora=4, levels={"checkpointing": ["all", None]}, **SIZES)
+    with pytest.raises(ValueError, match=r"levels\['checkpointing'\] names 'every:3'; checkpointing's levels are"):
+        plan(PRESET, "4090", lora=4, levels={"checkpointing": ["every:3"]}, **SIZES)
+    with pytest.raises(ValueError, match=r"levels\['fsdp'\] names 3; fsdp's levels are none, 2, 4 \(the divisors of "
+                       r"gpus=4\)"):  # fmt: skip
+        plan(PRESET, "4090", lora=4, gpus=4, levels={"fsdp": [None, 3]}, **SIZES)
+    with pytest.raises(ValueError, match=r"levels names 'warp'; the dimensions are"):
+        plan(PRESET, "4090", lora=4, levels={"warp": [1]}, **SIZES)
+    with pytest.raises(ValueError, match=r"search names 'ema', which needs an EMA among optimizations"):
+        plan(PRESET, "4090", lora=4, search=("ema",), **SIZES)
+    with pytest.raises(ValueError, match=r"search names 'fsdp', which needs gpus=N above 1"):
+        plan(PRESET, "4090", lora=4, search=("fsdp",), **SIZES)
+    with pytest.raises(ValueError, match=r"the fixed fsdp:3 shards over 3 GPUs, which does not divide gpus=4"):
+        plan(PRESET, "4090", lora=4, gpus=4, optimizations=[memkit.FSDP(world_size=3)], **SIZES)
+    both = [memkit.EMA(mode="offload"), memkit.FSDP(world_size=2)]
+    with pytest.raises(ValueError, match=r"the fixed ema:offload cannot go with the fixed fsdp:2: memkit.EMA"):
+        plan(PRESET, "4090", lora=4, search=("optimizer",), optimizations=both, **SIZES)
     with pytest.raises(ValueError, match="plan searches or fixes optimizer itself"):
         plan(PRESET, "4090", lora=4, optimizer="sgd", **SIZES)
     with pytest.raises(ValueError, match="lora must be a positive rank or None"):
         plan(PRESET, "4090", lora=0, **SIZES)
     with pytest.raises(ValueError, match="a quantized base trains only adapters"):
         plan(PRESET, "4090", optimizations=[memkit.Quantize(method="nf4")], **SIZES)
+
+
+@pytest.mark.slow  # two estimates of tiny Flux, one with an EMA (~10 s on a loaded machine)
+def test_a_dimension_that_conflicts_with_a_fixed_setting_leaves_the_search_named():
+    fixed = memkit.Offload(to="cpu")
+    result = plan(PRESET, card(1 << 30), optimizations=[LORA, fixed], gpus=2, search=("fsdp",), **SIZES)
+    assert list(result.refused) == ["fsdp"] and result.estimates == 1  # the fixed settings alone
+    assert "memkit.Offload moves whole blocks" in result.refused["fsdp"]
+    assert result.refused["fsdp"].endswith(f"it conflicts with the fixed {fixed}")
+    assert "--fsdp" not in result.best.flags
+    ema = memkit.EMA(mode="offload")  # not searched: its placement is fixed
+    result = plan(PRESET, card(1 << 30), optimizations=[LORA, ema], gpus=2, search=("fsdp",), **SIZES)
+    assert list(result.refused) == ["fsdp"] and result.refused["fsdp"].endswith("conflicts with the fixed ema:offload")
 
 
 def test_ctrl_c_returns_what_was_found_so_far(monkeypatch):
@@ -121,6 +214,39 @@ def test_the_command_line_flags_reproduce_each_configuration(capsys):
     code = main(["estimate", PRESET, "--size", "tiny", "--gpu", "2GiB", "--lora", "4", *first["flags"], "--json"])
     again = json.loads(capsys.readouterr().out)
     assert code == 0 and again["peak_reserved_bytes"] == first["peak_reserved_bytes"] and again["fits"]
+
+
+def test_the_command_line_refuses_bad_levels_and_gpus_naming_them(capsys):
+    from memkit.cli import main
+
+    cases = [
+        (["--levels", "checkpointing"], "--levels checkpointing: give DIM=LEVEL[,LEVEL...], DIM one of optimizer"),
+        (["--levels", "checkpointing=all,none"], "levels['checkpointing'] must name one or more of none, every:4"),
+        (["--gpus", "0"], "--gpus takes an int >= 1 (the GPUs the run has), got 0"),
+        (["--search", "fsdp"], "search names 'fsdp', which needs gpus=N above 1"),
+    ]
+    for flags, message in cases:
+        assert main(["plan", PRESET, "--size", "tiny", "--gpu", "4090", *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two sharded estimates of tiny Flux (~15 s)
+def test_the_flags_of_offloading_fsdp_and_a_searched_ema_reproduce_each_configuration(capsys):
+    from memkit.cli import main
+
+    fixed = ["--size", "tiny", "--gpu", "2GiB", "--lora", "4", "--ema", "cpu_only:every=2"]
+    runs = [["--gpus", "2", "--search", "fsdp,checkpointing,ema", "--levels", "fsdp=2", "--levels",
+             "checkpointing=every:2"], ["--search", "offload,ema", "--levels", "offload=cpu"]]  # fmt: skip
+    shown = set()
+    for run in runs:
+        assert main(["plan", PRESET, *fixed, *run, "--json"]) == 0
+        for c in json.loads(capsys.readouterr().out)["tried"]:
+            assert main(["estimate", PRESET, *fixed, *c["flags"], "--json"]) == 0  # the searched --ema comes last
+            again = json.loads(capsys.readouterr().out)
+            assert again["peak_reserved_bytes"] == c["peak_reserved_bytes"], c["flags"]
+            shown |= {f for f in c["flags"] if f.startswith("--")} | {" ".join(c["flags"][-2:])}
+    assert {"--fsdp", "--offload", "--checkpointing", "--ema"} <= shown
+    assert "--ema device:every=2" in shown  # the fixed EMA's placement searched, its other settings kept
 
 
 def test_configurations_are_ranked_by_the_step_time_of_their_own_ops_on_the_gpu():

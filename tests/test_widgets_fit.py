@@ -158,9 +158,12 @@ def test_the_plan_gets_the_fixed_settings_and_not_the_searched_ones():
     assert (kwargs["model"], kwargs["gpu"], kwargs["size"], kwargs["height"]) == ("flux", "4090", "tiny", 512)
     assert (kwargs["batch_size"], kwargs["grad_accum"], kwargs["steps"]) == (2, 2, 3) and "frames" not in kwargs
     mine = {k: v for k, v in memkit.optimizations.REGISTRY.items() if k != "ff-split"}
-    kwargs, notes = plan_arguments(PlaygroundState(preset="flux", gpu="4090", registry=mine))
-    assert kwargs["search"] == ["optimizer", "quantize", "checkpointing"]
-    assert notes == ["ff_split not searched: this Playground has no ff-split panel"]
+    kwargs, notes = plan_arguments(PlaygroundState(preset="flux", gpu="4090", registry=mine))  # a full fine-tune
+    assert kwargs["search"] == ["optimizer", "checkpointing"]
+    assert notes == [
+        "ff_split not searched: this Playground has no ff-split panel",
+        "quantize not searched (LoRA runs only: switch lora on to search it)",
+    ]
 
 
 def test_the_chosen_settings_reach_every_widget_and_a_failure_restores_them():

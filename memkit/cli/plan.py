@@ -13,17 +13,20 @@ SUMMARY = "search the memory-saving settings for the fastest configuration that 
 
 def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     """The ``plan`` subcommand's options."""
-    from ..planning import DIMENSIONS
+    from ..planning import CATALOGUE, DEFAULT_SEARCH, DIMENSIONS
 
     p = sub.add_parser(
         "plan",
         help=SUMMARY,
         description=SUMMARY + ". Fix what you will not change (model, size, inputs, batch, LoRA, precision, any "
         "optimization given as a flag); memkit searches the optimizer (AdamW, 8-bit AdamW), a quantized base (LoRA "
-        "runs), the feed-forward split, checkpointing and the allocator's expandable segments, and lists the "
+        "runs), the feed-forward split, checkpointing, a fixed --ema's placement, FSDP over --gpus N and the "
+        "allocator's expandable segments (offloading and partial checkpointing when asked), and lists the "
         "configurations that fit, fastest first, each with the `memkit estimate` flags that reproduce it.",
         epilog="examples:\n  memkit plan flux --gpu 4090 --lora 16\n  memkit plan flux --gpu h100 --json\n"
-        "  memkit plan wan --gpu 24GiB --lora 32 --frames 33",
+        "  memkit plan wan --gpu 24GiB --lora 32 --frames 33\n"
+        "  memkit plan flux --gpu h100 --gpus 8 --ema offload\n"
+        "  memkit plan flux --gpu 4090 --lora 16 --levels checkpointing=none,every:2,all",
         formatter_class=formatter,
     )
     p.add_argument("preset", metavar="MODEL", help="a preset, its hub id, a folder or a config.json")
@@ -33,10 +36,25 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None, help="fixed, as in memkit estimate")
     p.add_argument(
         "--search",
-        default=",".join(DIMENSIONS),
+        default=None,
         metavar="DIM[,DIM...]",
-        help=f"the dimensions to search, of {', '.join(DIMENSIONS)}",
+        help=f"the dimensions to search, of {', '.join(DIMENSIONS)} (default: those of {', '.join(DEFAULT_SEARCH)} "
+        "that apply: quantize with --lora, ema with a fixed --ema, fsdp with --gpus above 1; offload only when named: "
+        "the optimizer step onloads every group, so it cannot beat checkpointing every block)",
     )
+    p.add_argument(
+        "--levels",
+        action="append",
+        default=[],
+        metavar="DIM=LEVEL[,LEVEL...]",
+        help="a dimension's levels instead of its defaults, fastest first, e.g. checkpointing=none,every:2,all "
+        "(partial patterns cost a full estimate each); of "
+        + "; ".join(f"{d}: {','.join('none' if v is None else str(v) for v in CATALOGUE[d])}" for d in CATALOGUE
+                    if d != "fsdp")
+        + "; fsdp: none and the divisors of --gpus",
+    )  # fmt: skip
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the run has: above 1, FSDP over each "
+                   "divisor of N is searched (rank 0's memory; --gpu is each GPU)")  # fmt: skip
     for key, unit in SIZE_FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=int, metavar="N", default=None, help=f"in {unit}")
     fixed = p.add_argument_group("fixed optimizations (each takes its dimension out of the search)")
@@ -72,10 +90,18 @@ def run(args: argparse.Namespace) -> int:
         memkit.gpus.find(args.gpu)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    search = [d.strip() for d in args.search.split(",") if d.strip()]
-    bad = [d for d in search if d not in DIMENSIONS]
+    search = None if args.search is None else [d.strip() for d in args.search.split(",") if d.strip()]
+    bad = [d for d in search or () if d not in DIMENSIONS]
     if bad:
         raise CLIError(f"--search {args.search}: {bad} are not dimensions; they are {', '.join(DIMENSIONS)}")
+    levels = {}
+    for given in args.levels:
+        dim, eq, values = given.partition("=")
+        if not eq or dim not in DIMENSIONS or not values:
+            raise CLIError(f"--levels {given}: give DIM=LEVEL[,LEVEL...], DIM one of {', '.join(DIMENSIONS)}")
+        levels[dim] = [v.strip() for v in values.split(",")]
+    if args.gpus < 1:
+        raise CLIError(f"--gpus takes an int >= 1 (the GPUs the run has), got {args.gpus}")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size takes an int >= 1, got {args.batch_size}")
     fixed = optimizations_from(args, args.optimization_specs)
@@ -85,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
         return _maximize(args, fixed, sizes)
     try:
         result = memkit.plan(
-            args.preset, args.gpu, optimizations=fixed, search=search, size=args.size, batch_size=args.batch_size,
-            mixed_precision=args.mixed_precision, step_time=args.time,
+            args.preset, args.gpu, optimizations=fixed, search=search, levels=levels, gpus=args.gpus, size=args.size,
+            batch_size=args.batch_size, mixed_precision=args.mixed_precision, step_time=args.time,
             progress=lambda line: print(f"plan: {line}", file=sys.stderr),
             **sizes,
         )  # fmt: skip

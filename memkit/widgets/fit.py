@@ -109,9 +109,16 @@ def plan_arguments(state: Any) -> tuple[dict[str, Any], list[str]]:
     notes = [f"{d} not searched: this Playground has no {DIMENSION_PANELS[d]} panel" for d in missing]
     searched = set(DIMENSION_PANELS.values())
     fixed = [s.config() for name, s in state.optimizations.items() if s.enabled and name not in searched]
+    lora = any(type(o).__name__ == "LoRA" for o in fixed)
+    # the dimensions with a control here; a quantized base in LoRA runs only; a fixed EMA's placement, FSDP and
+    # offloading stay as set (no control to show the plan's choice in, one GPU)
+    search = [d for d in DIMENSIONS if d == "optimizer" or (d in DIMENSION_PANELS and d not in missing)]
+    if not lora and "quantize" in search:
+        search.remove("quantize")
+        notes.append("quantize not searched (LoRA runs only: switch lora on to search it)")
     step = state.step()
     kwargs = dict(
-        model=state.preset, gpu=state.gpu, optimizations=fixed, search=[d for d in DIMENSIONS if d not in missing],
+        model=state.preset, gpu=state.gpu, optimizations=fixed, search=search,
         size=state.estimate_size, dtype=state._torch_dtype(), batch_size=state.batch_size, seed=state.seed,
         steps=state.steps, grad_accum=step.grad_accum, mixed_precision=step.mixed_precision,
         fused_backward=step.fused_backward, optimizer_on=step.optimizer_on, offload_gradients=step.offload_gradients,
@@ -143,8 +150,7 @@ def fit(state: Any, *, on_progress: FitProgress | None = None) -> FitResult:
             warnings.simplefilter("always")
             try:
                 kwargs, result.notes = plan_arguments(state)
-                lora = any(type(o).__name__ == "LoRA" for o in kwargs["optimizations"])
-                at_most = math.prod(len(DIMENSIONS[d]) for d in kwargs["search"] if lora or d != "quantize")
+                at_most = math.prod(len(DIMENSIONS[d]) for d in kwargs["search"])
 
                 def progress(line: str) -> None:
                     result.estimates += 1
@@ -159,7 +165,7 @@ def fit(state: Any, *, on_progress: FitProgress | None = None) -> FitResult:
                 if found.interrupted:
                     raise Stopped("stopped on request")
                 result.plan, result.settings = found, _settings(state, found)
-                result.notes += _left_out(found, kwargs["search"], lora)
+                result.notes += _left_out(found, kwargs["search"])
                 result.status = "ok"
             except Stopped:
                 result.status = "stopped"
@@ -196,11 +202,10 @@ def _settings(state: Any, found: Any) -> FitSettings:
     return FitSettings(best.levels.get("optimizer", "adamw"), best.alloc_conf, panels)
 
 
-def _left_out(found: Any, search: list[str], lora: bool) -> list[str]:
+def _left_out(found: Any, search: list[str]) -> list[str]:
     """A note for each searched dimension the plan did not search (it is off in the settings)."""
     notes = [f"{d} not searched: the fixed settings refuse it ({why})" for d, why in found.refused.items()]
     for d in search:
         if d not in found.best.levels and d not in found.refused:
-            why = "LoRA runs only: switch lora on to search it" if not lora else "FSDP refuses a quantized base"
-            notes.append(f"{d} not searched ({why})")
+            notes.append(f"{d} not searched (FSDP refuses a quantized base)")
     return notes
