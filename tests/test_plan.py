@@ -104,7 +104,7 @@ def test_the_plan_finds_the_cheapest_fitting_configuration_brute_force_finds():
 SMALL = dict(size="small", height=256, width=256)  # weights outweigh activations: offloading and sharding show
 
 
-@pytest.mark.slow  # 6 configurations of small Flux, none memoized (~20 s)
+@pytest.mark.extended  # CI time: 6 configurations of small Flux, none memoized (~20-60 s)
 def test_offloading_is_searched_one_configuration_at_a_time_where_nothing_else_fits():
     # under offloading checkpointing every 2nd block can reserve less than every block: no pruning there
     dims, space = ("checkpointing", "offload"), {**DIMENSIONS, "checkpointing": (None, "every:2", "all")}
@@ -230,7 +230,7 @@ def test_the_command_line_refuses_bad_levels_and_gpus_naming_them(capsys):
         assert message in capsys.readouterr().err
 
 
-@pytest.mark.slow  # two sharded estimates of tiny Flux (~15 s)
+@pytest.mark.extended  # CI time: sharded and offloaded estimates of tiny Flux (~15-25 s); plain flags in CI
 def test_the_flags_of_offloading_fsdp_and_a_searched_ema_reproduce_each_configuration(capsys):
     from memkit.cli import main
 
