@@ -42,6 +42,7 @@ BENCHMARKS: tuple[str, ...] = (
     "recipes",
     "pipeline",
     "steptime",
+    "plan",
 )
 """Benchmark module names, in run order."""
 

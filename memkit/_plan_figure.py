@@ -32,10 +32,10 @@ def plan_figure(plan: Any, *, unit: Unit = "GiB") -> go.Figure:
     :mod:`memkit.steptime`'s estimate of the steady step on the plan's GPU. Configurations the plan did not time are
     not drawn (the title counts them).
 
-    Raises a ValueError when no configuration has a step time: plan with ``time_steps=N``.
+    Raises a ValueError when no configuration has a step time (``plan.untimed`` says why).
 
     Example:
-        >>> p = memkit.plan("flux", "4090", lora=16, time_steps=6)
+        >>> p = memkit.plan("flux", "4090", lora=16)
         >>> memkit.plots.plan_figure(p).show()
     """
     from .plots import _LAYOUT, _fmt

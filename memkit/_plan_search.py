@@ -6,24 +6,28 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import gpus
-
-DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "optimizer": ("adamw", "adamw8bit"),
-    "quantize": (None, "fp8-storage", "nf4"),
-    "ff_split": (None, 4),
-    "checkpointing": (None, "all"),
-}
-"""Each searched dimension's levels, fastest first."""
-
-ALLOC_CONFS = ("", "expandable_segments:True")
-
-# the order dimensions are relaxed in: the one costing the most step time first (recompute of every block's forward,
-# a dequantization per weight per use, smaller feed-forward matmuls, an 8-bit optimizer's update on the adapters)
-RELAX_ORDER = ("checkpointing", "quantize", "ff_split", "optimizer")
+from ._plan_space import (
+    ALLOC_CONFS,
+    CONFLICTS,
+    DEFAULT_SEARCH,
+    DIMENSIONS,
+    EMA_OFFLOAD_UNDER_FSDP,
+    RELAX_ORDER,
+    WEIGHTS,
+    at_most,
+    conflict,
+    flags_of,
+    fsdp_levels,
+    parse_levels,
+    rank,
+    tops,
+)
+from ._plan_space import grid as _levels_grid
+from ._plan_space import objects as _objects
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,21 +53,12 @@ class Candidate:
     fits: bool
     headroom_bytes: int
     step_seconds: float | None = None
-    """Estimated seconds per step on the GPU (None where the GPU has no compute figures)."""
+    """Estimated seconds per step on the GPU, from the estimate's own ops (:mod:`memkit.steptime`; None where the GPU
+    has no compute figures, or with ``step_time=False``)."""
     why: str = ""
-    """Why it is slower than the fastest configuration, where it is."""
-
-    @property
-    def level_index(self) -> dict[str, int]:
-        """Each dimension of :data:`DIMENSIONS` at its level's index (0: off; one not searched: 0): the higher, the
-        more switched on, saving memory and costing time. One configuration switches on no more than another when
-        each of its indices is at most the other's; the plan's search assumes it then needs no less memory.
-
-        Example:
-            >>> memkit.plan("flux", "4090", lora=16).best.level_index
-            {'optimizer': 0, 'quantize': 1, 'ff_split': 0, 'checkpointing': 1}
-        """
-        return {d: DIMENSIONS[d].index(self.levels.get(d, levels[0])) for d, levels in DIMENSIONS.items()}
+    """Why it is slower than the fastest configuration of the grid (:attr:`Plan.unconstrained`), where it is."""
+    step_time: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """The :class:`memkit.steptime.StepTime` behind ``step_seconds`` (where the seconds go), or None."""
 
     def summary(self) -> dict[str, Any]:
         return dict(
@@ -94,6 +89,12 @@ class Plan:
     """True when the search was stopped (Ctrl-C): ``configs`` holds what it found so far."""
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     """Dimensions left out of the search because the fixed settings refuse them, with the refusal."""
+    unconstrained: Candidate | None = None
+    """The configuration with nothing switched on (the fastest of the grid), fitting or not, where step times were
+    estimated: each configuration's ``why`` says what it costs beside it."""
+    untimed: str = ""
+    """Why the configurations have no step time ("" where they have one): ``step_time=False``, or a GPU without a
+    FLOP/s figure for the step's dtype (a T4 has no bf16)."""
 
     @property
     def best(self) -> Candidate | None:
@@ -105,7 +106,7 @@ class Plan:
         ``configs`` in place of its untimed one in ``tried``).
 
         Example:
-            >>> p = memkit.plan("flux", "4090", lora=16, time_steps=2)
+            >>> p = memkit.plan("flux", "4090", lora=16)
             >>> [(c.flags, c.step_seconds) for c in p.timed]
         """
         timed = {c.flags: c for c in self.configs if c.step_seconds is not None}
@@ -120,16 +121,17 @@ class Plan:
         plan's ``best``. Configurations with the same time and bytes (the same levels, whose allocator settings
         reserve alike) are all kept.
 
-        Raises a ValueError when no configuration has a step time (``time_steps=0``, the default; or a GPU without
-        compute figures, or a ``mixed_precision`` run, which :mod:`memkit.steptime` does not time).
+        Raises a ValueError when no configuration has a step time (``step_time=False``, or a GPU without a FLOP/s
+        figure for the step's dtype: :attr:`untimed` says which).
 
         Example:
-            >>> p = memkit.plan("flux", "4090", lora=16, time_steps=6)
+            >>> p = memkit.plan("flux", "4090", lora=16)
             >>> [(c.flags, c.step_seconds, c.peak_reserved_bytes / 2**30) for c in p.frontier()]
         """
         timed = self.timed
         if not timed:
-            raise ValueError(_NO_STEP_TIMES)
+            raise ValueError(f"the plan has no configuration with a step time ({self.untimed or 'none timed'}): "
+                             + _NO_STEP_TIMES)  # fmt: skip
         return _frontier(timed)
 
     def summary(self) -> dict[str, Any]:
@@ -138,12 +140,14 @@ class Plan:
             gpu=self.gpu.key, gpu_name=self.gpu.name, usable_bytes=list(self.gpu.usable_bytes()),
             configs=[c.summary() for c in self.configs], tried=[c.summary() for c in self.tried],
             estimates=self.estimates, seconds=self.seconds, interrupted=self.interrupted, refused=self.refused,
+            unconstrained=self.unconstrained.summary() if self.unconstrained is not None else None,
+            untimed=self.untimed,
         )  # fmt: skip
 
 
 _NO_STEP_TIMES = (
-    "the plan has no configuration with a step time: plan with time_steps=N (memkit plan ... --time N) to time the "
-    "first N that fit; a GPU without compute figures (memkit.gpus: flops) or a mixed_precision run gets none"
+    "plan with step_time=True (the default; memkit plan without --no-time) for a GPU with a FLOP/s figure for the "
+    "step's dtype (memkit.gpus)"
 )
 
 
@@ -170,43 +174,61 @@ def plan(
     *,
     lora: int | None = None,
     optimizations: Sequence = (),
-    search: Sequence[str] = tuple(DIMENSIONS),
+    search: Sequence[str] | None = None,
+    levels: Mapping[str, Sequence[Any]] | None = None,
+    gpus: int = 1,
     size: str = "full",
     progress: Callable[[str], None] | None = None,
-    time_steps: int = 0,
+    step_time: bool = True,
     **estimate_kwargs: Any,
 ) -> Plan:
     """The fastest configuration of ``model``'s training step that fits ``gpu``, and the others that fit.
 
     Args:
         model: a preset name (or anything :func:`memkit.estimate` takes).
-        gpu: a GPU of :mod:`memkit.gpus` (``"4090"``, ``"h100"``, ``"24GiB"``).
+        gpu: a GPU of :mod:`memkit.gpus` (``"4090"``, ``"h100"``, ``"24GiB"``), each of the ``gpus``.
         lora: the LoRA rank, or None for a full fine-tune (the quantize dimension applies to LoRA runs only).
         optimizations: fixed optimizations applied in every configuration (an EMA, a checkpointing the user wants).
-            A fixed one takes its dimension out of the search.
-        search: the dimensions to search, of :data:`DIMENSIONS` (all by default).
+            A fixed one takes its dimension out of the search, but for an EMA, whose placement (``mode``) is then
+            searched (leave ``"ema"`` out of ``search`` to keep the one given). A fixed setting that conflicts with
+            a dimension (an Offload or a Quantize with FSDP's) leaves that dimension out, in ``Plan.refused``.
+        search: the dimensions to search, of :data:`DIMENSIONS`; None: those of :data:`DEFAULT_SEARCH` that apply
+            (``quantize`` with LoRA, ``ema`` with a fixed EMA, ``fsdp`` with ``gpus`` > 1): ``offload`` only when
+            named (it cannot beat checkpointing every block; see :data:`DEFAULT_SEARCH`).
+        levels: a dimension's levels instead of its default ones, fastest first, of those :data:`CATALOGUE` lists
+            (``{"checkpointing": (None, "every:2", "all")}``: partial checkpointing, a full estimate each).
+        gpus: the GPUs the run has: above 1, ``fsdp`` searches sharding over each divisor of it (rank 0's memory;
+            replicated over the rest).
         size, estimate_kwargs: :func:`memkit.estimate`'s (``batch_size``, ``mixed_precision``, ``height``...); the
             estimates are for ``device="cuda"``, the first and the steady step.
         progress: called with a line per estimate.
-        time_steps: how many of the fitting configurations (the cheapest by their levels first) get a step time from
-            :mod:`memkit.steptime` and are ranked by it; each costs a count of the step's ops on fake tensors (full
-            Flux: 29 s in a fresh process on 2 cores), so the default 0 ranks by the levels switched on alone.
+        step_time: count each estimate's ops as it runs (``estimate(count_ops=True)``, about a fifth more time per
+            estimate) and rank the configurations that fit by their step time on ``gpu`` (:mod:`memkit.steptime`'s
+            roofline), against the configuration with nothing switched on (estimated too: :attr:`Plan.
+            unconstrained`). False, or a GPU without compute figures: ranked by the levels switched on alone.
 
-    Returns a :class:`Plan`. Raises :class:`NothingFits` (a ValueError) when even every dimension at its last level
-    does not fit, naming the smallest peak found and the categories holding it. A Ctrl-C during the search returns
-    the plan so far (``interrupted`` True).
+    Returns a :class:`Plan`. Raises :class:`NothingFits` (a ValueError) when none of the configurations at the top of
+    the space fits (every dimension at its last level; FSDP or not, conflicts settled both ways) nor, where offload
+    is searched, any offloading one, naming the smallest peak found and the categories holding it. A Ctrl-C during
+    the search returns the plan so far (``interrupted`` True).
 
     Example:
         >>> p = memkit.plan("flux", "4090", lora=16)
         >>> print(p.best.flags, p.best.peak_reserved_bytes / 2**30, p.best.step_seconds)
+        >>> memkit.plan("flux", "h100", gpus=8, optimizations=[memkit.EMA()]).best.flags  # FSDP's degree, EMA's mode
     """
+    from . import gpus as gpus_module  # the argument gpus is the count
     from .estimation import estimate
     from .memory.reserved import replay_reserved
     from .optimizations import REGISTRY
     from .units import format_bytes
 
     t0 = time.perf_counter()
-    card = gpu if isinstance(gpu, gpus.GPU) else gpus.find(gpu)
+    card = gpu if isinstance(gpu, gpus_module.GPU) else gpus_module.find(gpu)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be an int >= 1 (the GPUs the run has), got {gpus!r}")
+    explicit = search is not None
+    search = list(DEFAULT_SEARCH) if search is None else list(search)
     unknown = [d for d in search if d not in DIMENSIONS]
     if unknown:
         raise ValueError(f"search names {unknown}; the dimensions are {list(DIMENSIONS)}")
@@ -214,6 +236,11 @@ def plan(
         if key in estimate_kwargs:
             raise ValueError(f"plan searches or fixes {key} itself; leave it out (fixed optimizations go in "
                              "optimizations=)")  # fmt: skip
+    space = {**DIMENSIONS, "fsdp": fsdp_levels(gpus)}
+    for dim, given in (levels or {}).items():
+        if dim not in DIMENSIONS:
+            raise ValueError(f"levels names {dim!r}; the dimensions are {list(DIMENSIONS)}")
+        space[dim] = parse_levels(dim, given, gpus)
     fixed = list(optimizations)
     given_lora = [o for o in fixed if type(o).__name__ == "LoRA"]
     if given_lora and lora is not None:
@@ -222,44 +249,47 @@ def plan(
         lora_object = given_lora[0]
         fixed = [o for o in fixed if o is not lora_object]
         lora = lora_object.rank
-    else:
-        lora_object = None
-    names = {type(o).__name__ for o in fixed}
-    if "FSDP" in names and (set(search) & {"quantize"}) and lora is not None:
-        search = [d for d in search if d != "quantize"]  # FSDP refuses a quantized base
-    taken = {"Quantize": "quantize", "FFSplit": "ff_split", "Checkpointing": "checkpointing"}
-    dims = [d for d in search if d not in {taken[n] for n in names if n in taken}]
-    if lora is None:
-        if "Quantize" in names:
-            raise ValueError("a quantized base trains only adapters: give lora=RANK with a fixed Quantize")
-        dims = [d for d in dims if d != "quantize"]
-    elif not (isinstance(lora, int) and not isinstance(lora, bool) and lora >= 1):
+    elif lora is not None and not (isinstance(lora, int) and not isinstance(lora, bool) and lora >= 1):
         raise ValueError(f"lora must be a positive rank or None (a full fine-tune), got {lora!r}")
+    else:
+        lora_object = REGISTRY["lora"].config(rank=lora) if lora is not None else None
+    names = {type(o).__name__ for o in fixed}
+    sharded = [o for o in fixed if type(o).__name__ == "FSDP"]
+    if sharded and gpus > 1 and gpus % sharded[0].world_size:
+        raise ValueError(f"the fixed {sharded[0]} shards over {sharded[0].world_size} GPUs, which does not divide "
+                         f"gpus={gpus}")  # fmt: skip
+    if lora is None and "Quantize" in names:
+        raise ValueError("a quantized base trains only adapters: give lora=RANK with a fixed Quantize")
+    needs = {"quantize": (lora is not None, "lora=RANK (a quantized base trains only adapters)"),
+             "ema": ("EMA" in names, "an EMA among optimizations (the plan searches its placement)"),
+             "fsdp": (gpus > 1, "gpus=N above 1 (the sharding is over them)")}  # fmt: skip
+    for dim, (ok, what) in needs.items():
+        if dim in search and not ok:
+            if explicit:
+                raise ValueError(f"search names {dim!r}, which needs {what}")
+            search.remove(dim)
+    taken = {"Quantize": "quantize", "FFSplit": "ff_split", "Checkpointing": "checkpointing", "Offload": "offload",
+             "FSDP": "fsdp"}  # fmt: skip
+    fixed_dims = {taken[n]: o for o in fixed if (n := type(o).__name__) in taken}
+    dims = [d for d in search if d not in fixed_dims]
+    refused: dict[str, str] = {}
+    for (x, y), why in CONFLICTS.items():  # a fixed setting that conflicts with a dimension leaves it out, named
+        for dim, other in ((x, y), (y, x)):
+            if dim in dims and other in fixed_dims:
+                refused[dim] = f"{why}: it conflicts with the fixed {fixed_dims[other]}"
+                dims.remove(dim)
+    ema = next((o for o in fixed if type(o).__name__ == "EMA"), None)
+    pinned = {"fsdp": fixed_dims["fsdp"].world_size} if "fsdp" in fixed_dims else {}
+    if ema is not None and "ema" not in dims:
+        pinned["ema"] = ema.mode
+        if ema.mode == "offload" and "fsdp" in pinned:
+            raise ValueError(f"the fixed {ema} cannot go with the fixed {fixed_dims['fsdp']}: {EMA_OFFLOAD_UNDER_FSDP}")
+        if ema.mode == "offload" and "fsdp" in dims:
+            refused["fsdp"] = f"{EMA_OFFLOAD_UNDER_FSDP}: it conflicts with the fixed {ema}"
+            dims.remove("fsdp")
 
     def objects(levels: dict[str, Any]) -> tuple:
-        out = []
-        if levels.get("quantize"):
-            out.append(REGISTRY["quantize"].config.parse(levels["quantize"]))
-        out += [o for o in fixed if type(o).__name__ == "Quantize"]
-        if lora is not None:
-            out.append(lora_object if lora_object is not None else REGISTRY["lora"].config(rank=lora))
-        out += [o for o in fixed if type(o).__name__ != "Quantize"]
-        if levels.get("ff_split"):
-            out.append(REGISTRY["ff-split"].config(splits=levels["ff_split"]))
-        if levels.get("checkpointing"):
-            out.append(REGISTRY["checkpointing"].config.parse(levels["checkpointing"]))
-        return tuple(out)
-
-    def flags_of(levels: dict[str, Any], conf: str) -> tuple[str, ...]:
-        out: list[str] = []
-        if levels.get("optimizer", "adamw") != "adamw":
-            out += ["--optimizer", levels["optimizer"]]
-        for dim, flag in (("quantize", "--quantize"), ("ff_split", "--ff-split"), ("checkpointing", "--checkpointing")):
-            if levels.get(dim):
-                out += [flag, str(levels[dim])]
-        if conf:
-            out += ["--alloc-conf", conf]
-        return tuple(out)
+        return _objects(levels, fixed, lora_object)
 
     tried: list[Candidate] = []
     seen: dict[tuple, list[Candidate]] = {}
@@ -273,18 +303,21 @@ def plan(
         if progress is not None:
             progress(f"estimating {dict((k, v) for k, v in levels.items() if v) or 'nothing switched on'}")
         opts = objects(levels)
+        # counted whenever step times are asked for, even where this GPU cannot time them: a plan for another GPU
+        # reuses the estimate (its cached copy carries the counts)
         tl = estimate(model, size=size, optimizations=list(opts), optimizer=levels.get("optimizer", "adamw"),
-                      device="cuda", progress=False, **estimate_kwargs)  # fmt: skip
+                      device="cuda", progress=False, count_ops=step_time, **estimate_kwargs)  # fmt: skip
         count += 1
+        timed = _step_time(tl, card, estimate_kwargs) if timing else None
         found = []
         for conf in ALLOC_CONFS:
             if conf == "":
                 reserved = tl.peak_reserved_bytes
             else:  # the same events through another allocator: no new estimate
                 reserved = replay_reserved(tl, baseline_blocks=tl.baseline_blocks or (), alloc_conf=conf).peak_bytes
-            v = gpus.verdict(reserved, card)
-            cand = Candidate(dict(levels), conf, opts, flags_of(levels, conf), tl.peak_bytes, reserved, v.fits,
-                             v.headroom_bytes)  # fmt: skip
+            v = gpus_module.verdict(reserved, card)
+            cand = Candidate(dict(levels), conf, opts, flags_of(levels, conf, fixed), tl.peak_bytes, reserved, v.fits,
+                             v.headroom_bytes, timed and timed.seconds, step_time=timed)  # fmt: skip
             found.append(cand)
             tried.append(cand)
         seen[key] = found
@@ -293,29 +326,44 @@ def plan(
     def fits(levels: dict[str, Any]) -> bool:
         return any(c.fits for c in evaluate(levels))
 
-    interrupted = False
-    refused: dict[str, str] = {}
-    weight = {d: len(RELAX_ORDER) - i for i, d in enumerate(RELAX_ORDER)}
+    flops = getattr(card, "flops", None)
+    kind = _matmul_dtype(estimate_kwargs)
+    untimed = (
+        "step_time=False" if not step_time
+        else f"{card.name} has no compute figures in memkit.gpus" if flops is None
+        else f"{card.name} has no {kind} FLOP/s figure ({', '.join(sorted(flops))} only): a {kind} step's time on it "
+        "is not modelled" if kind not in flops
+        else ""
+    )  # fmt: skip
+    timing = not untimed
 
-    def cost(levels: dict[str, Any]) -> tuple[int, tuple]:
-        """The search's order of configurations, cheapest in step time first: the levels switched on, checkpointing
-        weighing most (a prior; :mod:`memkit.steptime` ranks what fits)."""
-        return (sum(weight[d] * DIMENSIONS[d].index(v) for d, v in levels.items()), tuple(map(str, levels.values())))
+    def failed_above(levels: dict[str, Any]) -> bool:
+        """Whether a configuration saving as much or more in every dimension already failed (so this one cannot fit)."""
+        return any(at_most(levels, cands[0].levels, space) for cands in seen.values() if not any(c.fits for c in cands))
+
+    interrupted = False
+    weight = dict(WEIGHTS)
+    weight["offload"] = 1 + sum(weight[d] * rank(d, space[d][-1], space[d]) for d in dims if d != "offload")
+
+    def cost(levels: dict[str, Any]) -> tuple[float, tuple]:
+        """The search's order of configurations, cheapest in step time first: the levels switched on, weighed by
+        :data:`WEIGHTS` (a prior; :mod:`memkit.steptime` ranks what fits)."""
+        return (sum(weight[d] * rank(d, v, space[d]) for d, v in levels.items()), tuple(map(str, levels.values())))
 
     try:
-        top = {d: DIMENSIONS[d][-1] for d in dims}
-        while True:  # a dimension the fixed settings refuse (FFSplit with LoRA in the feed-forward) leaves the search
+        current = None
+        while True:
             try:
-                evaluate(top)
+                current = _first_fit(dims, space, cost, fits, pinned)
                 break
-            except (ValueError, NotImplementedError) as e:
-                culprit = _refusing(top, dims, evaluate)
+            except _Refused as refusal:  # the fixed settings refuse a dimension: it leaves the search
+                error, levels = refusal.args
+                culprit = _refusing(levels, dims, evaluate, space)
                 if culprit is None:
-                    raise
-                refused[culprit] = str(e)
-                dims = [d for d in dims if d != culprit]
-                top = {d: DIMENSIONS[d][-1] for d in dims}
-        if not fits(top):
+                    raise error from None
+                refused[culprit] = str(error)
+                dims.remove(culprit)
+        if current is None:
             smallest = min(tried, key=lambda c: c.peak_reserved_bytes)
             tl = estimate(model, size=size, optimizations=list(smallest.optimizations),
                           optimizer=smallest.levels.get("optimizer", "adamw"), device="cuda", progress=False,
@@ -327,80 +375,102 @@ def plan(
                 f"peak found is {format_bytes(smallest.peak_reserved_bytes)} reserved with "
                 f"{' '.join(smallest.flags) or 'nothing switched on'} (at its peak: {what})"
             )
-        current = dict(top)
         for dim in [d for d in RELAX_ORDER if d in dims]:
-            for level in DIMENSIONS[dim][: DIMENSIONS[dim].index(current[dim])]:
+            for level in space[dim][: space[dim].index(current[dim])]:
                 trial = {**current, dim: level}
-                if fits(trial):
+                if conflict(trial, pinned) is None and not failed_above(trial) and fits(trial):
                     current = trial
                     break
-        # certify: every configuration cheaper than the one found, unless a configuration switching on as much or more
-        # in every dimension already failed (it cannot fit then), is estimated; the cheapest that fits wins
-        for levels in sorted(_levels_grid(dims), key=cost):
+        # certify: every configuration cheaper than the one found is estimated, unless it conflicts or one saving as
+        # much or more already failed; the cheapest that fits wins
+        for levels in sorted(_levels_grid(dims, space), key=cost):
             if cost(levels) >= cost(current):
                 break
-            failed = [cands[0].levels for cands in seen.values() if not any(c.fits for c in cands)]
-            if any(_at_most(levels, f) for f in failed):
-                continue
-            if fits(levels):
+            if conflict(levels, pinned) is None and not failed_above(levels) and fits(levels):
                 current = levels
+        # the fastest of the grid, fitting or not: what every configuration's step time is set against
+        unconstrained = evaluate({d: space[d][0] for d in dims})[0] if timing else None
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted, unconstrained = True, None
     fitting = [c for c in tried if c.fits]
-    fitting.sort(key=lambda c: (cost(c.levels), c.alloc_conf != ""))  # then torch's allocator defaults first
+    # fastest first (else the fewest levels switched on), then torch's allocator defaults first
+    fitting.sort(key=lambda c: (c.step_seconds if timing else 0, cost(c.levels), c.alloc_conf != ""))
     fitting = list(dict((c.flags, c) for c in fitting).values())
-    if not interrupted:
-        fitting = _timed(fitting, model, card, size, time_steps, estimate_kwargs)
-    return Plan(card, fitting, tried, count, time.perf_counter() - t0, interrupted, refused)
+    if unconstrained is not None:
+        fitting = [dataclasses.replace(c, why=_slower(c, unconstrained)) for c in fitting]
+    return Plan(card, fitting, tried, count, time.perf_counter() - t0, interrupted, refused, unconstrained, untimed)
 
 
-def _refusing(top: dict[str, Any], dims: Sequence[str], evaluate) -> str | None:
-    """The dimension whose last level the estimate refuses: the first whose level 0 in ``top`` makes it run."""
-    for dim in ("ff_split", "quantize", "checkpointing", "optimizer"):
-        if dim in dims and top[dim] != DIMENSIONS[dim][0]:
+class _Refused(Exception):
+    """An estimate raised: ``args`` are the error and the configuration."""
+
+
+def _first_fit(dims, space, cost, fits, pinned) -> dict[str, Any] | None:
+    """A configuration that fits: the cheapest of the :func:`tops` that fits, else the cheapest offloading one that
+    fits (offloading is not monotone: each is estimated, in cost order), else None (nothing fits)."""
+    off = "offload" in dims
+    candidates = []
+    if not off or None in space["offload"]:
+        candidates += sorted(tops(dims, {**space, "offload": (None,)} if off else space, pinned), key=cost)
+    if off:
+        grid = sorted(_levels_grid(dims, space), key=cost)
+        candidates += [c for c in grid if c["offload"] is not None and conflict(c, pinned) is None]
+    for levels in candidates:
+        try:
+            if fits(levels):
+                return levels
+        except (ValueError, NotImplementedError) as e:
+            raise _Refused(e, levels) from e
+    return None
+
+
+def _refusing(top: dict[str, Any], dims: Sequence[str], evaluate, space) -> str | None:
+    """The dimension whose level in ``top`` the estimate refuses: the first whose first level makes it run."""
+    for dim in ("ff_split", "quantize", "offload", "fsdp", "checkpointing", "ema", "optimizer"):
+        if dim in dims and top[dim] != space[dim][0]:
             try:
-                evaluate({**top, dim: DIMENSIONS[dim][0]})
+                evaluate({**top, dim: space[dim][0]})
             except (ValueError, NotImplementedError):
                 continue
             return dim
     return None
 
 
-def _timed(fitting: list[Candidate], model, card, size, n, estimate_kwargs) -> list[Candidate]:
-    """The first ``n`` candidates with their estimated step time, ranked by it (where the GPU has compute figures and
-    :mod:`memkit.steptime` is there); the rest after them, as they were."""
-    try:
-        from . import steptime
-    except ImportError:
-        return fitting
-    if getattr(card, "flops", None) is None:
-        return fitting
-    if estimate_kwargs.get("mixed_precision") is not None:  # the counted step is the pure-dtype one
-        return fitting
-    sizes = {k: v for k, v in estimate_kwargs.items() if k in ("height", "width", "frames", "text_len")}
-    counted = {k: estimate_kwargs[k] for k in ("batch_size", "dtype", "seed") if k in estimate_kwargs}
-    dtype = {"float16": "fp16", "float32": "tf32"}.get(str(estimate_kwargs.get("dtype") or "").replace("torch.", ""))
-    timed = []
-    for c in fitting[:n]:
-        counts = steptime.count_ops(model, size=size, optimizations=list(c.optimizations),
-                                    optimizer=c.levels.get("optimizer", "adamw"), **counted, **sizes)  # fmt: skip
-        t = steptime.step_seconds(counts, card, dtype=dtype or "bf16")
-        timed.append(dataclasses.replace(c, step_seconds=t.seconds, why=getattr(t, "why", "")))
-    timed.sort(key=lambda c: c.step_seconds)
-    fastest = timed[0].step_seconds if timed else None
-    timed = [
-        dataclasses.replace(c, why=f"{c.step_seconds / fastest:.2f}x the fastest: {c.why}" if c.why else c.why)
-        if fastest and c.step_seconds > fastest else c
-        for c in timed
-    ]  # fmt: skip
-    return timed + fitting[n:]
+def _matmul_dtype(estimate_kwargs) -> str:
+    """The roofline's dtype for the step's matmuls: the mixed-precision one, else the step's dtype (bf16 default)."""
+    dtype = str(estimate_kwargs.get("dtype") or "").replace("torch.", "")
+    return estimate_kwargs.get("mixed_precision") or {"float16": "fp16", "float32": "tf32"}.get(dtype, "bf16")
 
 
-def _at_most(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether ``a`` switches on no more than ``b`` in every dimension (so it saves no more memory)."""
-    return all(DIMENSIONS[d].index(a[d]) <= DIMENSIONS[d].index(b[d]) for d in a)
+def _step_time(tl, card, estimate_kwargs):
+    """The roofline time on ``card`` of the ops the estimate ``tl`` counted, at the step's matmul dtype."""
+    from . import steptime
+
+    return steptime.step_seconds(tl.op_counts, card, dtype=_matmul_dtype(estimate_kwargs))
 
 
-def _levels_grid(dims: Sequence[str]) -> list[dict[str, Any]]:
-    """Every configuration of ``dims`` (the brute force the tests hold the search to)."""
-    return [dict(zip(dims, values, strict=True)) for values in itertools.product(*(DIMENSIONS[d] for d in dims))]
+def _slower(c: Candidate, base: Candidate) -> str:
+    """What ``c`` spends beside ``base`` (the configuration with nothing switched on): recompute, bytes moved over the
+    host link or disk, and the other device ops' extra seconds with the class most of them are in (elementwise: a
+    dequantization's work, a chunked feed-forward's copies; optimizer: an 8-bit update's)."""
+    from .units import format_seconds
+
+    if c.step_time is None or base.step_time is None or c.step_seconds <= base.step_seconds:
+        return ""
+    t, b = c.step_time, base.step_time
+    parts = []
+    if t.recompute_seconds > b.recompute_seconds:
+        parts.append(f"{format_seconds(t.recompute_seconds - b.recompute_seconds)} recomputing checkpointed forwards")
+    if t.transfer_seconds > b.transfer_seconds:
+        moved = format_seconds(t.transfer_seconds - b.transfer_seconds)
+        parts.append(f"{moved} moving bytes over the host link or disk")
+    device = (t.compute_bound_seconds + t.memory_bound_seconds - t.recompute_seconds) - (
+        b.compute_bound_seconds + b.memory_bound_seconds - b.recompute_seconds
+    )
+    if device > 0.005 * base.step_seconds:
+        kinds = ("matmul", "attention", "conv", "elementwise", "optimizer")
+        first = {k: t.by_class[k] - t.recompute_by_class[k] - b.by_class[k] + b.recompute_by_class[k] for k in kinds}
+        lead = max(kinds, key=first.__getitem__)
+        parts.append(f"{format_seconds(device)} more in the other device ops (most in {lead})")
+    ratio = c.step_seconds / base.step_seconds
+    return f"{ratio:.2f}x the step with nothing switched on: " + ("; ".join(parts) or "the same ops, reordered")

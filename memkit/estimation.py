@@ -105,6 +105,7 @@ def estimate(
     offload_gradients: bool = False,
     alloc_conf: str = "",
     gpu: str | None = None,
+    count_ops: bool = False,
     **sizes: int,
 ) -> Timeline:
     """Estimate the memory of a training (or inference) step without allocating real memory (fake tensors).
@@ -173,6 +174,10 @@ def estimate(
         gpu: a GPU to judge the reserved peak against (``"4090"``, ``"h100"``, ``"24GiB"``: `memkit.gpus`; only with
             ``device="cuda"``): ``meta`` gains ``fits``, ``verdict`` (fits / within the spread / does not fit),
             ``headroom_bytes``, ``usable_bytes`` and the card's names (see :func:`memkit.gpus.judge`).
+        count_ops: also count the steady step's ops as it runs (``timeline.op_counts``, a
+            :class:`memkit.steptime.OpCounts`; :func:`memkit.steptime.step_seconds` makes a step time of them): the
+            ops :func:`memkit.steptime.count_ops` counts, at a fraction of its cost (no runs of its own; a memoized
+            estimate's probe blocks weighted by the blocks each stands for, :mod:`memkit._counted`).
 
     Returns the :class:`Timeline` of the measured steps; ``timeline.meta`` holds the settings, the parameter count
     (``parameters``; ``trainable_parameters``: those the step trains, e.g. only the adapters under
@@ -287,6 +292,8 @@ def estimate(
         alloc_conf=alloc_conf,
     )  # fmt: skip
     cached = _lookup(key, t0)
+    if cached is not None and count_ops and cached.op_counts is None:
+        cached = None  # made without counting: run again, counting (and keep that one)
     if cached is not None:
         return cached if card is None else _judged(cached, card)
     plans = []
@@ -310,7 +317,7 @@ def estimate(
     run = dict(
         model_fn=model_fn, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype,
         batch_size=batch_size, device=device, seed=seed, parallel=parallel, progress=progress, label=label,
-        sizes=sizes,
+        sizes=sizes, count_ops=count_ops,
     )  # fmt: skip
     measured = None
     probe = None
@@ -333,8 +340,8 @@ def estimate(
                 why_not = f"the model has no list of more than {_memo.PROBE} blocks whose middle blocks are identical"
     if measured is None:
         measured = _measure(**run, memoize=False)
-    timeline, starts, (params, trainable, trained_bytes), host_bytes, disk, base_blocks, input_keys = measured
-    timeline.baseline_blocks, timeline.input_keys = list(base_blocks), input_keys
+    timeline, starts, (params, trainable, trained_bytes), host_bytes, disk, base_blocks, input_keys, ops = measured
+    timeline.baseline_blocks, timeline.input_keys, timeline.op_counts = list(base_blocks), input_keys, ops
     first, steady = _step_peaks(timeline, step, starts)
     reserved = _reserved(timeline, step, starts, base_blocks, alloc_conf) if cuda else _NO_RESERVED
     timeline.meta.update(
@@ -401,7 +408,7 @@ def _sized_by_values(measure):
 @_sized_by_values
 def _measure(
     *, model_fn, inputs, step, optimizations, dtype, batch_size, device, seed, parallel, progress, label, sizes,
-    memoize, lengths=None,
+    memoize, count_ops=False, lengths=None,
 ):  # fmt: skip
     """The tracked steps of one estimate: (timeline, step starts, parameters, host bytes, disk bytes). With
     ``memoize``, the model's block lists are cut to a probe and the timeline spliced from it (None when the model
@@ -468,11 +475,19 @@ def _measure(
                 tagger = _memo.Tagger(lists) if lists else None
                 if tagger is not None:
                     tagger.install(tracker, runner.optimizer)
+                counted = []
                 try:
                     for i in range(n - tracked, n):
                         bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
                         starts.append(len(tracker.log.rows))
-                        runner.run(kwargs)
+                        if count_ops and i == n - 1:  # the steady step's ops, as memkit.steptime counts them
+                            from ._counted import counting_step
+
+                            noted = [t for ts in host.values() for t in ts]
+                            with counting_step(tracker, tagger, runner.optimizer, noted, dict(label=label)) as counted:
+                                runner.run(kwargs)
+                        else:
+                            runner.run(kwargs)
                         bar.update()
                 finally:
                     if tagger is not None:
@@ -485,7 +500,9 @@ def _measure(
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
-    return timeline, starts, (params, trainable, trained_bytes), host_bytes, sum(plan.disk), base_blocks, input_keys
+    ops = counted[0] if counted else None
+    counts = (params, trainable, trained_bytes)
+    return timeline, starts, counts, host_bytes, sum(plan.disk), base_blocks, input_keys, ops
 
 
 def _active_tracker():

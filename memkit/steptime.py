@@ -75,7 +75,7 @@ NVME_READ = 7.0e9
 """Bytes/s one PCIe 4.0 x4 NVMe drive reads sequentially (Samsung 990 Pro: 7,450 MB/s; WD SN850X: 7,300 MB/s, their
 data sheets), rounded down: the disk side of ``Offload(to="disk")``."""
 
-_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_addmm_activation"}
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_addmm_activation", "linear"}
 _CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
 _NO_TRAFFIC = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_local_scalar_dense"}
 
@@ -137,6 +137,9 @@ def _flops(func, name: str, args, kwargs, out) -> int:
     packet = func._overloadpacket
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    if name == "linear":  # reached whole from a kernel run inside a dispatch mode (bitsandbytes' 4-bit gemm)
+        x, w = args[0], args[1]
+        return 2 * x.numel() // x.shape[-1] * w.shape[0] * w.shape[1]
     if name == "_addmm_activation":
         return int(flop_registry[torch.ops.aten.addmm](*args[:3], out_val=out))
     if name == _CPU_FLASH:  # the path fake CPU tensors take: the same math as the CUDA flash kernel
@@ -196,18 +199,22 @@ class _Counter(TorchDispatchMode):
             # what crosses the link: the host side of the copy (a host op's bytes stay on the host)
             side = outs if host_out else ins
             moved = sum(_nbytes(t) for t in side if t.untyped_storage()._cdata in self.host)
-            self.ops[Op(kind, 0, moved, 0, recompute)] += 1
+            self._add(Op(kind, 0, moved, 0, recompute), outs[0])
             return out
         kind = "optimizer" if self.optimizer else _kind(name)
         if name.startswith("_foreach_"):  # one op per tensor, as the sum of per-tensor kernels it stands for
             lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
             for i, o in enumerate(outs):
                 read = sum(_nbytes(a[i]) for a in lists if i < len(a))
-                self.ops[Op(kind, 0, read, _nbytes(o), recompute)] += 1
+                self._add(Op(kind, 0, read, _nbytes(o), recompute), o)
             return out
         flops = _flops(func, name, args, kwargs, out) if kind != "elementwise" else 0
-        self.ops[Op(kind, flops, sum(map(_nbytes, ins)), sum(map(_nbytes, outs)), recompute)] += 1
+        self._add(Op(kind, flops, sum(map(_nbytes, ins)), sum(map(_nbytes, outs)), recompute), outs[0])
         return out
+
+    def _add(self, op: Op, out: torch.Tensor) -> None:
+        """Count ``op`` once (``out``: the tensor it made or wrote, for a subclass that asks whose op it is)."""
+        self.ops[op] += 1
 
     @contextlib.contextmanager
     def hooks(self):
@@ -399,6 +406,8 @@ class StepTime:
     recompute_seconds: float
     """Of the device ops' seconds, those of the forward ops checkpointing runs again in the backward."""
     why: str
+    recompute_by_class: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``recompute_seconds`` by op class."""
 
 
 def _speeds(gpu: Any, dtype: str) -> tuple[float, float, float]:
@@ -435,6 +444,7 @@ def step_seconds(
     peak, bandwidth, link = _speeds(gpu, dtype)
     eff = {**EFFICIENCY, **(efficiency or {})}
     by_class = dict.fromkeys(CLASSES, 0.0)
+    again = dict.fromkeys(CLASSES, 0.0)
     compute = memory = recompute = 0.0
     for op, n in counts.ops.items():
         if op.kind == "host":
@@ -456,6 +466,7 @@ def step_seconds(
             memory += t
         if op.recompute:
             recompute += t
+            again[op.kind] += t
     device = compute + memory
     moving = by_class["transfer"] + by_class["disk"]
     total = max(device, moving) if overlap else device + moving
@@ -469,4 +480,4 @@ def step_seconds(
         why += f"; {moving * 1e3:.1f} ms moving weights or activations over the host link and disk, {how} the compute"
     if counts.by_class("ops")["host"]:
         why += "; ops on host tensors (a CPU optimizer) are not timed"
-    return StepTime(total, by_class, compute, memory, moving, recompute, why)
+    return StepTime(total, by_class, compute, memory, moving, recompute, why, again)

@@ -64,3 +64,17 @@ def parse_bytes(text: str) -> int:
     if value <= 0 or value != value or value == float("inf"):
         raise ValueError(f"a size must be positive, got {text!r}")
     return int(value * UNITS[unit or "B"])
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration with three significant digits in s, ms or µs.
+
+    Example:
+        >>> format_seconds(3.6061), format_seconds(0.01234), format_seconds(2.5e-6)
+        ('3.61 s', '12.3 ms', '2.5 µs')
+    """
+    if seconds >= 1:
+        return f"{seconds:.3g} s" if seconds < 1000 else f"{seconds:.0f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"

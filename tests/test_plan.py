@@ -30,46 +30,105 @@ def card(usable: int) -> gpus.GPU:
     return gpus.GPU("test", "a test card", (total, total), "a test card", 90)
 
 
-def brute_force(dims):
-    """Every configuration of the grid estimated: (levels, alloc conf, reserved bytes)."""
+def brute_force(dims, space=DIMENSIONS, ema=None, sizes=SIZES):
+    """Every configuration of the grid estimated: (levels, alloc conf, reserved bytes); a configuration the library
+    refuses (FSDP with a quantized base or group offloading, FFSplit with a quantized base) or fails on (an offloaded
+    EMA under FSDP) is not in the list."""
     from memkit.memory.reserved import replay_reserved
 
     rows = []
-    for levels in _levels_grid(dims):
+    for levels in _levels_grid(dims, space):
         opts = []
         if levels.get("quantize"):
             opts.append(memkit.Quantize(method=levels["quantize"]))
         opts.append(LORA)
+        if levels.get("checkpointing"):
+            opts.append(memkit.Checkpointing(pattern=levels["checkpointing"]))
         if levels.get("ff_split"):
             opts.append(memkit.FFSplit(splits=levels["ff_split"]))
-        if levels.get("checkpointing"):
-            opts.append(memkit.Checkpointing())
-        tl = memkit.estimate(PRESET, optimizations=opts, optimizer=levels["optimizer"], progress=False, **SIZES)
+        if levels.get("fsdp"):
+            opts.append(memkit.FSDP(world_size=levels["fsdp"]))
+        if ema is not None:
+            opts.append(memkit.EMA(mode=levels.get("ema", ema.mode), update_every=ema.update_every))
+        if levels.get("offload"):
+            opts.append(memkit.Offload(to=levels["offload"]))
+        if levels.get("fsdp") and levels.get("ema") == "offload":
+            continue  # EMA(mode="offload") under FSDP raises a RuntimeError (mixed Tensor and DTensor): not estimable
+        try:
+            tl = memkit.estimate(PRESET, optimizations=opts, optimizer=levels.get("optimizer", "adamw"),
+                                 device="cuda", progress=False, **sizes)  # fmt: skip
+        except ValueError:
+            continue
         for conf in ALLOC_CONFS:
             reserved = replay_reserved(tl, baseline_blocks=tl.baseline_blocks, alloc_conf=conf).peak_bytes
             rows.append((levels, conf, reserved))
     return rows
 
 
+PRIOR = {"ema": 5, "checkpointing": 4, "quantize": 3, "ff_split": 2, "optimizer": 1, "fsdp": 0.5}
+"""The step-time prior memkit.planning documents: a dimension's weight times its level's place (checkpointing: the
+share of blocks recomputed); offload outweighs all the others together."""
+
+
+def prior_cost(levels, space=DIMENSIONS):
+    share = {None: 0, "every:4": 0.25, "every:2": 0.5, "all": 1}
+    rest = sum(PRIOR[d] * (share[v] if d == "checkpointing" else space[d].index(v))
+               for d, v in levels.items() if d != "offload")  # fmt: skip
+    return (levels.get("offload") is not None, rest)
+
+
+def agrees_at_every_budget(rows, dims, space=DIMENSIONS, **kwargs):
+    """At a budget of each peak the grid reserves, and one below the least: the plan's first choice costs what the
+    brute force's cheapest fitting configuration costs, and where nothing fits the plan says so. Returns the plans."""
+    plans = []
+    for usable in sorted({r for _, _, r in rows} | {min(r for _, _, r in rows) - 1}):
+        gpu = card(usable)
+        fitting = [levels for levels, _, reserved in rows if gpus.verdict(reserved, gpu).fits]
+        if not fitting:
+            with pytest.raises(NothingFits):
+                plan(PRESET, gpu, search=dims, **kwargs)
+            continue
+        result = plan(PRESET, gpu, search=dims, **kwargs)
+        cheapest = min(prior_cost(levels, space) for levels in fitting)
+        assert result.best is not None and prior_cost(result.best.levels, space) == cheapest, (usable, result.best)
+        assert all(c.fits for c in result.configs)
+        assert {tuple(c.levels.items()) for c in result.configs} <= {tuple(levels.items()) for levels in fitting}
+        plans.append(result)
+    return plans
+
+
 @pytest.mark.slow  # the grid of 12 configurations estimated (~15 s)
 def test_the_plan_finds_the_cheapest_fitting_configuration_brute_force_finds():
     dims = ("optimizer", "quantize", "checkpointing")
     rows = brute_force(dims)
-    peaks = sorted({r for _, _, r in rows})
-    gpu = card((peaks[0] + peaks[-1]) // 2)  # between the least and the most any configuration reserves
-    fitting = [(levels, conf) for levels, conf, reserved in rows if gpus.verdict(reserved, gpu).fits]
-    assert fitting and len(fitting) < len(rows)  # the budget splits the grid
-    result = plan(PRESET, gpu, optimizations=[LORA], search=dims, progress=None, **SIZES)
-    weight = {"checkpointing": 4, "quantize": 3, "ff_split": 2, "optimizer": 1}
+    plans = agrees_at_every_budget(rows, dims, optimizations=[LORA], **SIZES)
+    assert min(p.estimates for p in plans) < len(_levels_grid(dims))  # pruned, not the grid (before the cache)
 
-    def cost(levels):
-        return sum(weight[d] * DIMENSIONS[d].index(v) for d, v in levels.items())
 
-    cheapest = min(cost(levels) for levels, _ in fitting)
-    assert result.best is not None and cost(result.best.levels) == cheapest
-    assert all(c.fits for c in result.configs)
-    assert {tuple(c.levels.items()) for c in result.configs} <= {tuple(levels.items()) for levels, _ in fitting}
-    assert result.estimates < len(_levels_grid(dims))  # pruned, not the grid
+SMALL = dict(size="small", height=256, width=256)  # weights outweigh activations: offloading and sharding show
+
+
+@pytest.mark.extended  # CI time: 6 configurations of small Flux, none memoized (~20-60 s)
+def test_offloading_is_searched_one_configuration_at_a_time_where_nothing_else_fits():
+    # under offloading checkpointing every 2nd block can reserve less than every block: no pruning there
+    dims, space = ("checkpointing", "offload"), {**DIMENSIONS, "checkpointing": (None, "every:2", "all")}
+    rows = brute_force(dims, space, sizes=SMALL)
+    least = min(r for levels, _, r in rows if levels["offload"] is None)
+    assert any(r < least for levels, _, r in rows if levels["offload"])  # some budgets only offloading meets
+    levels = {"checkpointing": space["checkpointing"]}
+    plans = agrees_at_every_budget(rows, dims, space, optimizations=[LORA], levels=levels, **SMALL)
+    assert any(p.best.levels["offload"] == "cpu" for p in plans)
+
+
+@pytest.mark.extended  # 48 configurations of small Flux, 12 of them sharded (~5 min)
+def test_the_plan_agrees_with_brute_force_over_ema_placement_and_fsdp():
+    ema = memkit.EMA(update_every=2)
+    dims = ("optimizer", "quantize", "checkpointing", "ema", "fsdp")
+    space = {**DIMENSIONS, "fsdp": (None, 2)}
+    rows = brute_force(dims, space, ema=ema, sizes=SMALL)
+    assert not any(levels["fsdp"] and levels["quantize"] for levels, _, _ in rows)  # FSDP refuses a quantized base
+    plans = agrees_at_every_budget(rows, dims, space, optimizations=[LORA, ema], gpus=2, **SMALL)
+    assert {p.best.levels["fsdp"] for p in plans} == {None, 2} and len({p.best.levels["ema"] for p in plans}) > 1
 
 
 def test_nothing_fits_names_the_smallest_peak_and_what_holds_it():
@@ -91,12 +150,46 @@ def test_a_dimension_the_fixed_settings_refuse_leaves_the_search_with_the_reason
 def test_bad_arguments_name_what_is_allowed():
     with pytest.raises(ValueError, match=r"search names \['offload-to-mars'\]; the dimensions are"):
         plan(PRESET, "4090", lora=4, search=("offload-to-mars",), **SIZES)
+    with pytest.raises(ValueError, match=r"gpus must be an int >= 1 \(the GPUs the run has\), got 0"):
+        plan(PRESET, "4090", lora=4, gpus=0, **SIZES)
+    with pytest.raises(ValueError, match=r"levels\['checkpointing'\] must name one or more of none, every:4, every:2, "
+                       r"all, each once, in that order \(fastest first\); got \['all', None\]"):  # fmt: skip
+        plan(PRESET, "4090", lora=4, levels={"checkpointing": ["all", None]}, **SIZES)
+    with pytest.raises(ValueError, match=r"levels\['checkpointing'\] names 'every:3'; checkpointing's levels are"):
+        plan(PRESET, "4090", lora=4, levels={"checkpointing": ["every:3"]}, **SIZES)
+    with pytest.raises(ValueError, match=r"levels\['fsdp'\] names 3; fsdp's levels are none, 2, 4 \(the divisors of "
+                       r"gpus=4\)"):  # fmt: skip
+        plan(PRESET, "4090", lora=4, gpus=4, levels={"fsdp": [None, 3]}, **SIZES)
+    with pytest.raises(ValueError, match=r"levels names 'warp'; the dimensions are"):
+        plan(PRESET, "4090", lora=4, levels={"warp": [1]}, **SIZES)
+    with pytest.raises(ValueError, match=r"search names 'ema', which needs an EMA among optimizations"):
+        plan(PRESET, "4090", lora=4, search=("ema",), **SIZES)
+    with pytest.raises(ValueError, match=r"search names 'fsdp', which needs gpus=N above 1"):
+        plan(PRESET, "4090", lora=4, search=("fsdp",), **SIZES)
+    with pytest.raises(ValueError, match=r"the fixed fsdp:3 shards over 3 GPUs, which does not divide gpus=4"):
+        plan(PRESET, "4090", lora=4, gpus=4, optimizations=[memkit.FSDP(world_size=3)], **SIZES)
+    both = [memkit.EMA(mode="offload"), memkit.FSDP(world_size=2)]
+    with pytest.raises(ValueError, match=r"the fixed ema:offload cannot go with the fixed fsdp:2: memkit.EMA"):
+        plan(PRESET, "4090", lora=4, search=("optimizer",), optimizations=both, **SIZES)
     with pytest.raises(ValueError, match="plan searches or fixes optimizer itself"):
         plan(PRESET, "4090", lora=4, optimizer="sgd", **SIZES)
     with pytest.raises(ValueError, match="lora must be a positive rank or None"):
         plan(PRESET, "4090", lora=0, **SIZES)
     with pytest.raises(ValueError, match="a quantized base trains only adapters"):
         plan(PRESET, "4090", optimizations=[memkit.Quantize(method="nf4")], **SIZES)
+
+
+@pytest.mark.slow  # two estimates of tiny Flux, one with an EMA (~10 s on a loaded machine)
+def test_a_dimension_that_conflicts_with_a_fixed_setting_leaves_the_search_named():
+    fixed = memkit.Offload(to="cpu")
+    result = plan(PRESET, card(1 << 30), optimizations=[LORA, fixed], gpus=2, search=("fsdp",), **SIZES)
+    assert list(result.refused) == ["fsdp"] and result.estimates == 1  # the fixed settings alone
+    assert "memkit.Offload moves whole blocks" in result.refused["fsdp"]
+    assert result.refused["fsdp"].endswith(f"it conflicts with the fixed {fixed}")
+    assert "--fsdp" not in result.best.flags
+    ema = memkit.EMA(mode="offload")  # not searched: its placement is fixed
+    result = plan(PRESET, card(1 << 30), optimizations=[LORA, ema], gpus=2, search=("fsdp",), **SIZES)
+    assert list(result.refused) == ["fsdp"] and result.refused["fsdp"].endswith("conflicts with the fixed ema:offload")
 
 
 def test_ctrl_c_returns_what_was_found_so_far(monkeypatch):
@@ -127,18 +220,67 @@ def test_the_command_line_flags_reproduce_each_configuration(capsys):
     assert code == 0 and again["peak_reserved_bytes"] == first["peak_reserved_bytes"] and again["fits"]
 
 
-def test_timed_configurations_are_ranked_by_their_step_time_on_the_gpu():
+def test_the_command_line_refuses_bad_levels_and_gpus_naming_them(capsys):
+    from memkit.cli import main
+
+    cases = [
+        (["--levels", "checkpointing"], "--levels checkpointing: give DIM=LEVEL[,LEVEL...], DIM one of optimizer"),
+        (["--levels", "checkpointing=all,none"], "levels['checkpointing'] must name one or more of none, every:4"),
+        (["--gpus", "0"], "--gpus takes an int >= 1 (the GPUs the run has), got 0"),
+        (["--search", "fsdp"], "search names 'fsdp', which needs gpus=N above 1"),
+    ]
+    for flags, message in cases:
+        assert main(["plan", PRESET, "--size", "tiny", "--gpu", "4090", *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.extended  # CI time: sharded and offloaded estimates of tiny Flux (~15-25 s); plain flags in CI
+def test_the_flags_of_offloading_fsdp_and_a_searched_ema_reproduce_each_configuration(capsys):
+    from memkit.cli import main
+
+    fixed = ["--size", "tiny", "--gpu", "2GiB", "--lora", "4", "--ema", "cpu_only:every=2"]
+    runs = [["--gpus", "2", "--search", "fsdp,checkpointing,ema", "--levels", "fsdp=2", "--levels",
+             "checkpointing=every:2"], ["--search", "offload,ema", "--levels", "offload=cpu"]]  # fmt: skip
+    shown = set()
+    for run in runs:
+        assert main(["plan", PRESET, *fixed, *run, "--json"]) == 0
+        for c in json.loads(capsys.readouterr().out)["tried"]:
+            assert main(["estimate", PRESET, *fixed, *c["flags"], "--json"]) == 0  # the searched --ema comes last
+            again = json.loads(capsys.readouterr().out)
+            assert again["peak_reserved_bytes"] == c["peak_reserved_bytes"], c["flags"]
+            shown |= {f for f in c["flags"] if f.startswith("--")} | {" ".join(c["flags"][-2:])}
+    assert {"--fsdp", "--offload", "--checkpointing", "--ema"} <= shown
+    assert "--ema device:every=2" in shown  # the fixed EMA's placement searched, its other settings kept
+
+
+def test_configurations_are_ranked_by_the_step_time_of_their_own_ops_on_the_gpu():
     pytest.importorskip("memkit.steptime")
+    from memkit.steptime import step_seconds
+
     gpu = card(1 << 30)
     gpu = gpus.GPU("test", "a test card", gpu.total_bytes, "a test card", 90, flops={"bf16": 1e12, "fp32": 1e11},
                    memory_bandwidth=1e11, host_link=1e10)  # fmt: skip
-    result = plan(PRESET, gpu, optimizations=[LORA], search=("optimizer", "checkpointing"), time_steps=3, **SIZES)
-    timed = [c for c in result.configs if c.step_seconds is not None]
-    assert len(timed) == 3 and [c.step_seconds for c in timed] == sorted(c.step_seconds for c in timed)
-    assert result.configs[:3] == timed  # the timed ones first, fastest first
-    fastest = timed[0]
-    assert "--checkpointing" not in fastest.flags  # recomputing every block's forward costs time
-    assert all(c.why.startswith(f"{c.step_seconds / fastest.step_seconds:.2f}x the fastest") for c in timed[1:])
+    result = plan(PRESET, gpu, optimizations=[LORA], search=("optimizer", "checkpointing"), **SIZES)
+    assert result.configs and all(c.step_seconds is not None for c in result.tried)
+    assert [c.step_seconds for c in result.configs] == sorted(c.step_seconds for c in result.configs)
+    for c in result.configs:  # each one's time is the roofline of the ops its own estimate counted
+        tl = memkit.estimate(PRESET, optimizations=list(c.optimizations), optimizer=c.levels["optimizer"],
+                             count_ops=True, progress=False, **SIZES)  # fmt: skip
+        assert c.step_seconds == step_seconds(tl.op_counts, gpu).seconds
+    base = result.unconstrained  # nothing switched on: estimated for the comparison, fitting or not
+    assert base is not None and base.levels == {"optimizer": "adamw", "checkpointing": None}
+    for c in result.configs:
+        if c.levels["checkpointing"]:  # recomputing every block's forward costs time, and the plan says how much
+            assert c.step_seconds > base.step_seconds
+            assert c.why.startswith(f"{c.step_seconds / base.step_seconds:.2f}x the step with nothing switched on")
+            assert "recomputing checkpointed forwards" in c.why
+
+
+def test_without_step_times_the_configurations_are_ranked_by_what_they_switch_on():
+    gpu = gpus.GPU("test", "a test card", card(1 << 30).total_bytes, "a test card", 90, flops={"bf16": 1e12},
+                   memory_bandwidth=1e11, host_link=1e10)  # fmt: skip
+    result = plan(PRESET, gpu, optimizations=[LORA], search=("optimizer", "checkpointing"), step_time=False, **SIZES)
+    assert result.unconstrained is None and all(c.step_seconds is None and not c.why for c in result.tried)
 
 
 # CI time: resolution (16 s) in make test-extended; batch and frames (the 4k+1 grid) in CI
@@ -173,6 +315,13 @@ def test_maximize_refuses_what_a_preset_lacks():
         maximize(PRESET, "4090", "steps", size="tiny")
 
 
+def test_a_gpu_without_the_steps_dtype_figure_gets_no_step_time_and_says_why():
+    # a T4 (Turing) has no bf16 tensor cores: its catalog entry holds fp16 and fp32 FLOP/s only
+    result = plan(PRESET, "t4", optimizations=[LORA], search=("optimizer",), **SIZES)
+    assert result.configs and all(c.step_seconds is None for c in result.tried) and result.unconstrained is None
+    assert result.untimed.startswith("Tesla T4 has no bf16 FLOP/s figure (fp16, fp32 only)")
+
+
 def synthetic_plan(points, usable=100):
     """A Plan over candidates ``(step seconds or None, peak reserved bytes)``, judged against ``usable`` bytes; the
     timed fitting ones ranked by time, as plan() ranks what it times."""
@@ -196,7 +345,7 @@ def test_the_frontier_is_every_timed_configuration_no_other_beats(points):
     result = synthetic_plan([(t if t is None else t / 4, m) for t, m in points], usable=3)
     timed = [c for c in result.tried if c.step_seconds is not None]
     if not timed:
-        with pytest.raises(ValueError, match=r"time_steps=N \(memkit plan \.\.\. --time N\)"):
+        with pytest.raises(ValueError, match=r"step_time=True \(the default; memkit plan without --no-time\)"):
             result.frontier()
         return
 
@@ -222,21 +371,22 @@ def test_timed_takes_each_configuration_s_step_time_from_the_ranking():
     assert [c.flags[-1] for c in result.frontier()] == ["--config 3", "--config 1"]  # faster, or smaller
 
 
-@pytest.mark.slow  # a tiny plan with three step-time counts (~15 s on a loaded machine)
+@pytest.mark.slow  # a tiny plan, twice (~8 s on a loaded machine)
 def test_a_timed_plan_s_frontier_figure_and_the_command_line_s_plot(tmp_path, capsys):
     from memkit.cli import main
     from memkit.plots import plan_figure
 
-    result = plan(PRESET, "4090", lora=4, size="tiny", time_steps=2)
-    timed = [c for c in result.configs if c.step_seconds is not None]
-    assert len(timed) == 2 and result.timed == [c for t in result.tried for c in timed if c.flags == t.flags]
+    result = plan(PRESET, "4090", lora=4, size="tiny")  # step times from each estimate's own ops
+    timed = [c for c in result.tried if c.step_seconds is not None]
+    assert timed and timed == result.tried  # every one estimated, fitting or not
+    assert [(c.flags, c.step_seconds) for c in result.timed] == [(c.flags, c.step_seconds) for c in timed]
     fig = plan_figure(result)
     points = [(x, y) for tr in fig.data if tr.name in ("fits", "does not fit") for x, y in zip(tr.x, tr.y, strict=True)]
     assert sorted(points) == sorted((c.step_seconds, c.peak_reserved_bytes / 2**30) for c in timed)
     (chosen,) = [tr for tr in fig.data if tr.name.startswith("chosen")]
     assert (chosen.x[0], chosen.y[0]) == (result.best.step_seconds, result.best.peak_reserved_bytes / 2**30)
     out = tmp_path / "plan.html"
-    code = main(["plan", PRESET, "--size", "tiny", "--gpu", "4090", "--lora", "4", "--time", "1", "--plot", str(out)])
+    code = main(["plan", PRESET, "--size", "tiny", "--gpu", "4090", "--lora", "4", "--plot", str(out)])
     assert code == 0 and f"wrote {out}" in capsys.readouterr().out
     assert "NVIDIA GeForce RTX 4090: usable" in out.read_text() and "plotly" in out.read_text()
 
@@ -245,21 +395,13 @@ def test_the_command_line_s_plot_needs_step_times_and_a_known_format(tmp_path, c
     from memkit.cli import main
 
     base = ["plan", PRESET, "--size", "tiny", "--gpu", "4090", "--lora", "4"]
-    assert main([*base, "--plot", str(tmp_path / "p.html")]) == 2
-    assert "--plot draws the configurations' step times: give --time N" in capsys.readouterr().err
-    assert main([*base, "--time", "1", "--plot", str(tmp_path / "p.svg")]) == 2
+    assert main([*base, "--no-time", "--plot", str(tmp_path / "p.html")]) == 2
+    assert "--plot draws the configurations' step times: leave out --no-time" in capsys.readouterr().err
+    assert main([*base, "--plot", str(tmp_path / "p.svg")]) == 2
     assert "the file must end in .html or .png" in capsys.readouterr().err
-    assert main([*base, "--time", "1", "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert main([*base, "--plot", str(tmp_path / "no" / "p.png")]) == 2
     assert "cannot write" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before the search: nothing written
-
-
-def test_level_index_counts_each_dimension_s_levels_from_off():
-    from memkit.planning import Candidate
-
-    c = Candidate({"optimizer": "adamw8bit", "quantize": "nf4", "ff_split": None}, "", (), (), 0, 0, True, 0)
-    # adamw8bit is the optimizer's second level, nf4 the quantized base's third; ff_split off, checkpointing unsearched
-    assert c.level_index == {"optimizer": 1, "quantize": 2, "ff_split": 0, "checkpointing": 0}
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/chromium"), reason="PNG export needs Chromium at /usr/bin/chromium")
@@ -269,5 +411,5 @@ def test_the_command_line_s_plot_writes_a_png(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(memkit, "plan", lambda *a, **k: synthetic_plan([(0.5, 2), (0.25, 4), (None, 1)], usable=3))
     out = tmp_path / "plan.png"
-    assert main(["plan", PRESET, "--gpu", "4090", "--lora", "4", "--time", "1", "--plot", str(out)]) == 0
+    assert main(["plan", PRESET, "--gpu", "4090", "--lora", "4", "--plot", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in capsys.readouterr().out

@@ -326,5 +326,5 @@ def test_plan_figure_draws_each_timed_configuration_the_frontier_the_gpu_and_the
 
 
 def test_plan_figure_needs_step_times_and_says_how_to_get_them():
-    with pytest.raises(ValueError, match=r"plan with time_steps=N \(memkit plan \.\.\. --time N\)"):
+    with pytest.raises(ValueError, match=r"plan with step_time=True \(the default; memkit plan without --no-time\)"):
         plots.plan_figure(a_plan([(None, 2**30), (None, 2**31)]))

@@ -153,3 +153,14 @@ def test_gpu_without_a_roofline_is_refused_by_name():
         step_seconds(OpCounts(Counter()), FakeGPU(memory_bandwidth=None))
     with pytest.raises(ValueError, match="dtype"):
         step_seconds(OpCounts(Counter()), FakeGPU(), dtype="fp4")
+
+
+def test_a_4bit_base_counts_the_matmuls_of_its_dequantized_weights():
+    # bitsandbytes' 4-bit gemm dequantizes each weight and calls aten.linear whole (inside memkit's dispatch mode):
+    # the same matmul FLOPs as the bf16 base, plus the dequantization's bytes
+    lora = memkit.LoRA(rank=4)
+    kwargs = dict(size="tiny", mode="inference", optimizer=None)
+    plain = count_ops("flux", optimizations=[lora], **kwargs)
+    nf4 = count_ops("flux", optimizations=[memkit.Quantize(method="nf4"), lora], **kwargs)
+    assert nf4.by_class()["matmul"] == plain.by_class()["matmul"] > 0
+    assert nf4.by_class("bytes")["elementwise"] > plain.by_class("bytes")["elementwise"]

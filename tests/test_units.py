@@ -29,3 +29,11 @@ def test_parse_bytes():
             parse_bytes(bad)
     with pytest.raises(TypeError, match="a size must be a string"):
         parse_bytes(40)
+
+
+def test_format_seconds_keeps_three_significant_digits_in_the_unit_that_fits():
+    from memkit.units import format_seconds
+
+    assert format_seconds(3.6061) == "3.61 s" and format_seconds(1.0) == "1 s" and format_seconds(1234.5) == "1234 s"
+    assert format_seconds(0.01234) == "12.3 ms" and format_seconds(0.001) == "1 ms"
+    assert format_seconds(2.5e-6) == "2.5 µs" and format_seconds(0.000999) == "999 µs"

@@ -13,7 +13,6 @@ from ._common import (
     check_writable,
     optimization_specs,
     optimizations_from,
-    rows_text,
     write_figure,
 )
 
@@ -22,18 +21,21 @@ SUMMARY = "search the memory-saving settings for the fastest configuration that 
 
 def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     """The ``plan`` subcommand's options."""
-    from ..planning import DIMENSIONS
+    from ..planning import CATALOGUE, DEFAULT_SEARCH, DIMENSIONS
 
     p = sub.add_parser(
         "plan",
         help=SUMMARY,
         description=SUMMARY + ". Fix what you will not change (model, size, inputs, batch, LoRA, precision, any "
         "optimization given as a flag); memkit searches the optimizer (AdamW, 8-bit AdamW), a quantized base (LoRA "
-        "runs), the feed-forward split, checkpointing and the allocator's expandable segments, and lists the "
+        "runs), the feed-forward split, checkpointing, a fixed --ema's placement, FSDP over --gpus N and the "
+        "allocator's expandable segments (offloading and partial checkpointing when asked), and lists the "
         "configurations that fit, fastest first, each with the `memkit estimate` flags that reproduce it.",
         epilog="examples:\n  memkit plan flux --gpu 4090 --lora 16\n  memkit plan flux --gpu h100 --json\n"
         "  memkit plan wan --gpu 24GiB --lora 32 --frames 33\n"
-        "  memkit plan flux --gpu 4090 --lora 16 --time 6 --plot plan.html",
+        "  memkit plan flux --gpu 4090 --lora 16 --plot plan.html\n"
+        "  memkit plan flux --gpu h100 --gpus 8 --ema offload\n"
+        "  memkit plan flux --gpu 4090 --lora 16 --levels checkpointing=none,every:2,all",
         formatter_class=formatter,
     )
     p.add_argument("preset", metavar="MODEL", help="a preset, its hub id, a folder or a config.json")
@@ -43,22 +45,37 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
     p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None, help="fixed, as in memkit estimate")
     p.add_argument(
         "--search",
-        default=",".join(DIMENSIONS),
+        default=None,
         metavar="DIM[,DIM...]",
-        help=f"the dimensions to search, of {', '.join(DIMENSIONS)}",
+        help=f"the dimensions to search, of {', '.join(DIMENSIONS)} (default: those of {', '.join(DEFAULT_SEARCH)} "
+        "that apply: quantize with --lora, ema with a fixed --ema, fsdp with --gpus above 1; offload only when named: "
+        "the optimizer step onloads every group, so it cannot beat checkpointing every block)",
     )
+    p.add_argument(
+        "--levels",
+        action="append",
+        default=[],
+        metavar="DIM=LEVEL[,LEVEL...]",
+        help="a dimension's levels instead of its defaults, fastest first, e.g. checkpointing=none,every:2,all "
+        "(partial patterns cost a full estimate each); of "
+        + "; ".join(f"{d}: {','.join('none' if v is None else str(v) for v in CATALOGUE[d])}" for d in CATALOGUE
+                    if d != "fsdp")
+        + "; fsdp: none and the divisors of --gpus",
+    )  # fmt: skip
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the run has: above 1, FSDP over each "
+                   "divisor of N is searched (rank 0's memory; --gpu is each GPU)")  # fmt: skip
     for key, unit in SIZE_FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=int, metavar="N", default=None, help=f"in {unit}")
     fixed = p.add_argument_group("fixed optimizations (each takes its dimension out of the search)")
     specs = optimization_specs()
     add_optimization_flags(fixed, specs)
     p.add_argument(
-        "--time",
-        type=int,
-        default=0,
-        metavar="N",
-        help="estimate the step time of the first N configurations that fit on the GPU (memkit.steptime: a count of "
-        "the step's ops: 29 s for full Flux in a fresh process here) and rank them by it; 0: by what they switch on",
+        "--no-time",
+        dest="time",
+        action="store_false",
+        help="rank by what the configurations switch on, without step times (each estimate then skips counting its "
+        "ops: about a fifth faster). By default each configuration's step time on the GPU is estimated from the "
+        "estimate's own ops (memkit.steptime's roofline) and the configurations that fit are ranked by it",
     )
     p.add_argument(
         "--maximize",
@@ -71,9 +88,9 @@ def add_parser(sub: argparse._SubParsersAction, formatter: type) -> None:
         "--plot",
         metavar="FILE",
         default=None,
-        help="with --time N: write the frontier figure (step time against peak reserved memory, each timed "
-        "configuration, the GPU's usable bytes, the chosen one; memkit.plots.plan_figure) as FILE.html, or FILE.png "
-        "(needs kaleido and Chromium)",
+        help="write the frontier figure (step time against peak reserved memory: each timed configuration, fitting "
+        "or not, the frontier, the GPU's usable bytes, the chosen one; memkit.plots.plan_figure) as FILE.html, or "
+        "FILE.png (needs kaleido and Chromium)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
     p.set_defaults(run=run, optimization_specs=specs)
@@ -89,19 +106,25 @@ def run(args: argparse.Namespace) -> int:
         memkit.gpus.find(args.gpu)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    search = [d.strip() for d in args.search.split(",") if d.strip()]
-    bad = [d for d in search if d not in DIMENSIONS]
+    search = None if args.search is None else [d.strip() for d in args.search.split(",") if d.strip()]
+    bad = [d for d in search or () if d not in DIMENSIONS]
     if bad:
         raise CLIError(f"--search {args.search}: {bad} are not dimensions; they are {', '.join(DIMENSIONS)}")
-    if args.time < 0:
-        raise CLIError(f"--time takes an int >= 0 (configurations to time), got {args.time}")
+    levels = {}
+    for given in args.levels:
+        dim, eq, values = given.partition("=")
+        if not eq or dim not in DIMENSIONS or not values:
+            raise CLIError(f"--levels {given}: give DIM=LEVEL[,LEVEL...], DIM one of {', '.join(DIMENSIONS)}")
+        levels[dim] = [v.strip() for v in values.split(",")]
+    if args.gpus < 1:
+        raise CLIError(f"--gpus takes an int >= 1 (the GPUs the run has), got {args.gpus}")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size takes an int >= 1, got {args.batch_size}")
     if args.plot is not None:
         if args.maximize is not None:
             raise CLIError("--plot draws the search's configurations; --maximize searches a size, not them")
-        if args.time < 1:
-            raise CLIError("--plot draws the configurations' step times: give --time N (N >= 1) to time the first N")
+        if not args.time:
+            raise CLIError("--plot draws the configurations' step times: leave out --no-time")
         if not args.plot.lower().endswith((".html", ".png")):
             raise CLIError(f"--plot {args.plot}: the file must end in .html or .png")
         check_writable(args.plot)
@@ -112,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return _maximize(args, fixed, sizes)
     try:
         result = memkit.plan(
-            args.preset, args.gpu, optimizations=fixed, search=search, size=args.size, batch_size=args.batch_size,
-            mixed_precision=args.mixed_precision, time_steps=args.time,
+            args.preset, args.gpu, optimizations=fixed, search=search, levels=levels, gpus=args.gpus, size=args.size,
+            batch_size=args.batch_size, mixed_precision=args.mixed_precision, step_time=args.time,
             progress=lambda line: print(f"plan: {line}", file=sys.stderr),
             **sizes,
         )  # fmt: skip
@@ -139,14 +162,16 @@ def _plot(result, path: str, out) -> None:
 
     try:
         fig = plan_figure(result)
-    except ValueError as e:  # nothing timed: a GPU without compute figures, a mixed-precision run
+    except ValueError as e:  # nothing timed: a GPU without a FLOP/s figure for the step's dtype
         raise CLIError(f"--plot {path}: {e}", code=1) from None
     write_figure(fig, path, png=path.lower().endswith(".png"), what="plan")
     print(f"wrote {path}", file=out)
 
 
 def _print(args: argparse.Namespace, result, out) -> None:
-    """The plan as a table: its GPU, then each configuration that fits, fastest first."""
+    """The plan as a table: its GPU, each configuration that fits (fastest first), why there are no step times."""
+    from ..units import format_bytes, format_seconds
+
     gib = 2**30
     print(
         f"memkit plan: {args.preset} ({args.size}) on {result.gpu.name} "
@@ -154,14 +179,23 @@ def _print(args: argparse.Namespace, result, out) -> None:
         + (" (interrupted: what was found so far)" if result.interrupted else ""),
         file=out,
     )
-    rows = []
     for i, c in enumerate(result.configs):
-        time_ = f"{c.step_seconds:.2f} s/step" if c.step_seconds is not None else "step time not estimated (--time N)"
-        rows.append(
-            (f"{i + 1}. {' '.join(c.flags) or '(nothing switched on)'}",
-             f"{c.peak_reserved_bytes / gib:.2f} GiB reserved, headroom {c.headroom_bytes / gib:.2f} GiB, {time_}")
-        )  # fmt: skip
-    print(rows_text(rows) if rows else "  nothing fits", file=out)
+        time_ = f"{format_seconds(c.step_seconds)}/step" if c.step_seconds is not None else "no step time"
+        print(f"  {i + 1}. {' '.join(c.flags) or '(nothing switched on)'}", file=out)
+        print(f"       {format_bytes(c.peak_reserved_bytes)} reserved, headroom {format_bytes(c.headroom_bytes)}, "
+              f"{time_}" + (f"; {c.why}" if c.why else ""), file=out)  # fmt: skip
+    if not result.configs:
+        print("  nothing fits", file=out)
+    if result.untimed and not args.json:
+        print(f"  no step times: {result.untimed}", file=out)
+    u = result.unconstrained
+    if u is not None:
+        print(
+            f"  nothing switched on: {format_bytes(u.peak_reserved_bytes)} reserved "
+            f"({'fits' if u.fits else 'does not fit'}), {format_seconds(u.step_seconds)}/step; step times: steady "
+            f"step, {result.gpu.name}'s roofline (memkit.steptime)",
+            file=out,
+        )
 
 
 def _maximize(args: argparse.Namespace, fixed: list, sizes: dict) -> int:

@@ -63,6 +63,9 @@ class Timeline(_Reserved):
         source knows them (an estimate: what the allocator replay lays out first); None otherwise."""
         self.input_keys: frozenset[int] = frozenset()
         """Storage keys of the baseline's inputs among ``baseline_blocks``."""
+        self.op_counts: Any = None
+        """The steady step's ops (:class:`memkit.steptime.OpCounts`) where the estimate counted them
+        (``memkit.estimate(..., count_ops=True)``); None otherwise."""
         if baseline_by_device is not None and baseline_by_category is None:
             baseline_by_category = {
                 c: sum(int(split.get(c, 0)) for split in baseline_by_device.values()) for c in CATEGORIES
@@ -236,6 +239,7 @@ class Timeline(_Reserved):
     def _with_blocks(self, other: Timeline) -> Timeline:
         self.baseline_blocks = None if other.baseline_blocks is None else list(other.baseline_blocks)
         self.input_keys = other.input_keys
+        self.op_counts = other.op_counts
         return self
 
     @property

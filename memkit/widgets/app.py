@@ -6,9 +6,10 @@ and the results come back as plain data that ``memkit.plots`` draws. No torch he
 
 Layout, top to bottom: the model (preset, size, dtype, batch, input sizes, training or inference, optimizer, the
 GPU and allocator settings an estimate is judged with); one panel per registered optimization; Run / Estimate /
-Stop with a progress bar; errors and warnings; the GPU verdict and the live timeline of the step being tracked
-(after an estimate, its last variant's, with the reserved line and the GPU's usable bytes); the comparison table
-(peak by category, time, Δoutput, Δgrad, pass) and the figure of peaks and overlaid timelines.
+Fit to GPU / Stop with a progress bar, and Fit's status line (``fit_button.py``: :func:`memkit.plan` on these
+settings, its choice set in the widgets); errors and warnings; the GPU verdict and the live timeline of the step
+being tracked (after an estimate, its last variant's, with the reserved line and the GPU's usable bytes); the
+comparison table (peak by category, time, Δoutput, Δgrad, pass) and the figure of peaks and overlaid timelines.
 
 Example:
     >>> pg = memkit.Playground(preset="flux")
@@ -30,6 +31,8 @@ from .. import gpus, plots
 from ..optimizers import OPTIMIZERS
 from ..units import best_unit
 from .figures import FigureMode, figure_mode, make_figure
+from .fit import FitResult
+from .fit_button import FitButton
 from .panels import OptimizationPanel, set_tooltip
 from .state import DTYPES, INPUT_SIZES, VARIANT_MODES, PlaygroundState, RunResult
 from .verdict import gpu_options, rejudge, verdict_text
@@ -93,6 +96,8 @@ class Playground:
         self.live = make_figure(self.figure_mode, height=360)
         self.result_figure = make_figure(self.figure_mode, height=420)
         self.last_result: RunResult | None = None
+        self.last_fit: FitResult | None = None
+        """What the last Fit to GPU found (:class:`~memkit.widgets.fit.FitResult`)."""
         self._thread: threading.Thread | None = None
         self._build_model_controls()
         self.panels = {name: OptimizationPanel(s) for name, s in self.state.optimizations.items()}
@@ -225,6 +230,8 @@ class Playground:
         self.stop_button.on_click(lambda _: self.stop())
         self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="260px"))
         self.progress_text = widgets.Label(value="")
+        self.fitter = FitButton(self)  # Fit to GPU: memkit.plan on these settings, its choice set in the widgets
+        self.fit_button, self.fit_status = self.fitter.button, self.fitter.status
         self.messages = widgets.HTML()
         self.verdict = widgets.HTML()
         self.table = widgets.HTML()
@@ -247,8 +254,9 @@ class Playground:
             [p.view for n, p in self.panels.items() if n not in tuning],
             layout=widgets.Layout(grid_template_columns=_GRID, grid_gap="6px"),
         )
+        buttons = [self.run_button, self.estimate_button, self.fit_button, self.stop_button]
         actions = widgets.HBox(
-            [self.run_button, self.estimate_button, self.stop_button, self.progress, self.progress_text],
+            [*buttons, self.progress, self.progress_text],
             layout=widgets.Layout(flex_flow="row wrap", align_items="center"),
         )
 
@@ -265,6 +273,7 @@ class Playground:
                 c["variants"],
                 self.panel_grid,
                 actions,
+                self.fit_status,
                 self.messages,
                 heading("Live memory of the tracked step"),
                 self.verdict,
@@ -292,6 +301,11 @@ class Playground:
     def estimate(self, *, wait: bool = False) -> RunResult | None:
         """Estimate at full size (the Estimate button); ``wait`` as in :meth:`run`."""
         return self._start("estimate", wait)
+
+    def fit(self, *, wait: bool = False) -> FitResult | None:
+        """Fit to GPU (the button): :func:`memkit.plan` on these settings and the GPU chosen, its configuration then set
+        in the widgets (``fit_button.py``); ``wait`` as in :meth:`run`, the result in ``last_fit``."""
+        return self.fitter.start(wait=wait)
 
     def stop(self) -> None:
         """Ask the running run to stop (the Stop button)."""
@@ -334,6 +348,7 @@ class Playground:
     def _busy(self, busy: bool) -> None:
         self.run_button.disabled = self.estimate_button.disabled = busy
         self.stop_button.disabled = not busy
+        self.fitter.refresh(busy)
 
     def _on_progress(self, fraction: float, text: str) -> None:
         self.progress.value = fraction

@@ -1,0 +1,79 @@
+"""The op counts of an estimate's own steady step (``memkit.estimate(..., count_ops=True)``): the step
+:mod:`memkit.steptime` times, counted while the estimate tracks it instead of in runs of its own.
+
+The counter (:class:`memkit.steptime._Counter`, the one :func:`memkit.steptime.count_ops` uses) sits inside the
+tracker's dispatch: each op reaches it first, runs through the tracker (which records it, and the probe's
+:class:`memkit._memo.Tagger` tags it), and is counted with the block the tagger says it belongs to, by the rule the
+splice follows for the op's output: inside a block's forward (recompute included), that block; in the backward, the
+block whose forward made the running autograd node; between blocks in the forward, the block before; elsewhere (the
+optimizer, ``zero_grad``), the block owning what it reads (a ``_foreach`` op per tensor: the block of its i-th
+tensor). A memoized estimate runs a probe of four blocks per list, the third standing for every block but the first
+two and the last, so an op of that block counts ``n - 3`` times in a list of ``n`` blocks, every other op once: the
+full model's counts, equal to :func:`memkit.steptime.count_ops` running every block (``tests/test_counted.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ._memo import _AGG, PROBE
+from .memory.events import ALLOC
+from .steptime import Op, OpCounts, _Counter, _disk_loads
+
+_MIDDLE = PROBE - 2
+"""The probe block standing for the middle blocks (the third of each list)."""
+
+
+class _TaggedCounter(_Counter):
+    """A :class:`_Counter` that counts each op under the block the probe's tagger gives it."""
+
+    def __init__(self, host, disk, tracker, tagger, optimizer):
+        super().__init__(host, disk, fake=False)  # the tracker computes the outputs: the counter only looks
+        self.tracker = tracker
+        self.tagger = tagger
+        self.tagged: Counter = Counter()
+        # every block's parameters, gradients and optimizer state by storage (the step counts too, which the tracker
+        # may not hold: a host scalar)
+        self.owned = tagger._owned_tensors(optimizer) if tagger is not None else {}
+
+    def _add(self, op: Op, out: torch.Tensor) -> None:
+        if self.tagger is None:
+            self.ops[op] += 1
+            return
+        key = out.untyped_storage()._cdata
+        tag = self.tagger._context((0, ALLOC, 0, 0, self.tracker._last_phase, 0, 0, 0, key))
+        if tag is None or tag is _AGG:
+            # an op over tensors of several blocks (a _foreach op, counted per tensor), or over tensors the tracker
+            # does not hold (the optimizer's step counts): the block of the tensor it makes or writes, if any
+            tag = self.tagger.owner.get(key) or self.owned.get(key)
+        self.tagged[op, tag] += 1
+
+    def counts(self) -> Counter:
+        """The full model's counts: each probe block's ops times the blocks it stands for."""
+        total = Counter(self.ops)
+        if self.tagger is not None:
+            lengths = [n for _, n, _ in self.tagger.lists]
+            for (op, tag), n in self.tagged.items():
+                middle = isinstance(tag, tuple) and len(tag) == 2 and tag[1] == _MIDDLE
+                total[op] += n * (lengths[tag[0]] - 3 if middle else 1)
+        return total
+
+
+@contextlib.contextmanager
+def counting_step(
+    tracker, tagger, optimizer, host: list[torch.Tensor], settings: dict[str, Any]
+) -> Iterator[list[OpCounts]]:
+    """Count the ops of the code inside the block (one step the estimate tracks): yields a list that holds the
+    :class:`OpCounts` once the block ends."""
+    disk: list[int] = []
+    out: list[OpCounts] = []
+    counter = _TaggedCounter(host, disk, tracker, tagger, optimizer)
+    with _disk_loads(disk), counter.hooks():
+        yield out
+    memo = "counted as the estimate ran" + (f", {PROBE} blocks per list weighted" if tagger is not None else "")
+    out.append(OpCounts(Counter({k: v for k, v in counter.counts().items() if v}), dict(settings, memo=memo)))

@@ -1,0 +1,60 @@
+"""``memkit.estimate(..., count_ops=True)``: the steady step's ops counted while the estimate runs, equal to
+:func:`memkit.steptime.count_ops` counting every block in runs of its own."""
+
+from __future__ import annotations
+
+import pytest
+from test_steptime import deep
+
+import memkit
+from memkit.steptime import count_ops
+
+ADAMW = "adamw"  # foreach on CUDA: _foreach ops over every block's tensors at once, counted per tensor
+
+
+@pytest.mark.parametrize(
+    "optimizations, optimizer",
+    [
+        ([memkit.LoRA(rank=4), memkit.Checkpointing()], ADAMW),  # recompute; the adapters' foreach update
+        # CI time (10-25 s each): in make test-extended
+        pytest.param([], ADAMW, marks=pytest.mark.extended),
+        pytest.param([memkit.LoRA(rank=4)], "adamw8bit", marks=pytest.mark.extended),  # a per-parameter update
+        pytest.param([memkit.Quantize(method="nf4"), memkit.LoRA(rank=4)], ADAMW, marks=pytest.mark.extended),
+    ],
+    ids=["lora-checkpointing-adamw", "full-adamw", "lora-adamw8bit", "nf4-lora-adamw"],
+)
+def test_the_estimates_probe_counts_what_every_block_runs(optimizations, optimizer):
+    build = deep("flux", num_layers=6, num_single_layers=7)  # two lists, each longer than the probe's 4 + 1
+    tl = memkit.estimate(build, optimizations=optimizations, optimizer=optimizer, count_ops=True, progress=False)
+    whole = count_ops(build, optimizations=optimizations, optimizer=optimizer, memoize=False)
+    assert tl.meta["memoized"] and not whole.meta["memoized"]
+    assert tl.op_counts.ops == whole.ops  # every op kind, how many times: recompute and the optimizer's included
+    assert tl.op_counts.flops > 0 and tl.op_counts.meta["memo"].endswith("4 blocks per list weighted")
+
+
+def test_an_estimate_of_every_block_counts_each_op_once():
+    build = deep("flux", num_layers=2, num_single_layers=2)
+    opts = [memkit.Checkpointing()]
+    tl = memkit.estimate(build, optimizations=opts, memoize=False, count_ops=True, progress=False)
+    assert tl.op_counts.ops == count_ops(build, optimizations=opts, memoize=False).ops
+    assert tl.op_counts.recompute_flops() > 0
+
+
+def test_counts_are_kept_with_the_cached_estimate_and_made_when_asked():
+    memkit.estimation.clear_cache()
+    plain = memkit.estimate("flux", size="tiny", progress=False)
+    assert plain.op_counts is None  # not asked: not counted
+    counted = memkit.estimate("flux", size="tiny", count_ops=True, progress=False)
+    assert not counted.meta["cached"] and counted.op_counts is not None  # the cached one had none: run again
+    again = memkit.estimate("flux", size="tiny", count_ops=True, progress=False)
+    assert again.meta["cached"] and again.op_counts.ops == counted.op_counts.ops
+    assert again.peak_bytes == counted.peak_bytes == plain.peak_bytes  # counting changes no byte
+
+
+@pytest.mark.extended
+def test_a_full_size_presets_probe_counts_what_every_block_runs():
+    # the probe built from the preset's config (four blocks per list: no whole model to cut)
+    sizes = dict(height=64, width=64, frames=9)
+    tl = memkit.estimate("ltx-video", count_ops=True, progress=False, **sizes)
+    assert tl.meta["memoized"]
+    assert tl.op_counts.ops == count_ops("ltx-video", memoize=False, **sizes).ops
