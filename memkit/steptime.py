@@ -164,6 +164,21 @@ def _is_view(func) -> bool:
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
+_NAMES: dict[Any, str] = {}
+"""Per aten overload: its name, or "" where it moves nothing (a view, an empty tensor): the counter skips it."""
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments: given directly or in a list (``cat``, the ``_foreach`` ops)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += [t for t in v if isinstance(t, torch.Tensor)]
+    return out
+
+
 class _Counter(TorchDispatchMode):
     """Records every op of the window into ``ops`` (see the module docstring for what each one counts)."""
 
@@ -179,11 +194,17 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs) if self.fake is None else self.fake(func, args, kwargs)
-        name = func._overloadpacket.__name__
-        if _is_view(func) or name in _NO_TRAFFIC:
+        name = _NAMES.get(func)
+        if name is None:  # the op's name, or "" for one that moves nothing (a view, an empty tensor)
+            name = _NAMES[func] = "" if _is_view(func) or func._overloadpacket.__name__ in _NO_TRAFFIC else (
+                func._overloadpacket.__name__
+            )  # fmt: skip
+        if not name:
             return out
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        ins = _tensors(args) + _tensors(kwargs.values()) if kwargs else _tensors(args)
+        outs = (
+            [out] if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        )
         if not outs and name.startswith("_foreach_") and name.endswith("_"):
             outs = [t for t in args[0] if isinstance(t, torch.Tensor)]  # in place: what it writes is its first list
         if not outs:  # no tensor made or written (prim.device, sym_size): nothing moves on the device
