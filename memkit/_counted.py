@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -65,15 +64,18 @@ class _TaggedCounter(_Counter):
 
 
 @contextlib.contextmanager
-def counting_step(
-    tracker, tagger, optimizer, host: list[torch.Tensor], settings: dict[str, Any]
-) -> Iterator[list[OpCounts]]:
-    """Count the ops of the code inside the block (one step the estimate tracks): yields a list that holds the
-    :class:`OpCounts` once the block ends."""
-    disk: list[int] = []
+def counting_step(tracker, tagger, runner, host: dict, label: str, count: bool) -> Iterator[list[OpCounts]]:
+    """Count the ops of the code inside the block (one step the estimate tracks, ``runner`` its bound step, ``host``
+    the placement plan's host tensors) where ``count``: yields a list that holds the :class:`OpCounts` once the block
+    ends (empty where not ``count``)."""
     out: list[OpCounts] = []
-    counter = _TaggedCounter(host, disk, tracker, tagger, optimizer)
+    if not count:
+        yield out
+        return
+    disk: list[int] = []
+    noted = [t for ts in host.values() for t in ts]
+    counter = _TaggedCounter(noted, disk, tracker, tagger, runner.optimizer)
     with _disk_loads(disk), counter.hooks():
         yield out
     memo = "counted as the estimate ran" + (f", {PROBE} blocks per list weighted" if tagger is not None else "")
-    out.append(OpCounts(Counter({k: v for k, v in counter.counts().items() if v}), dict(settings, memo=memo)))
+    out.append(OpCounts(Counter({k: v for k, v in counter.counts().items() if v}), dict(label=label, memo=memo)))

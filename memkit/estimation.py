@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
-from . import _memo, _splice, gpus
+from . import _counted, _memo, _splice, gpus
 from ._results import _cache_key, _lookup, _store, clear_cache
 from ._step_peaks import _NO_RESERVED, _reserved, _step_of, _step_peaks
 from ._torch_compat import known_values
@@ -61,24 +61,6 @@ __all__ = ["clear_cache", "estimate", "noted_in_host", "note_disk_memory", "note
 
 def _storage_keys(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
-
-
-def _plan_budgets(model_fn, inputs, optimizations, **kwargs):
-    """Each ``Checkpointing(budget_bytes=...)`` replaced by the pattern it plans for this very estimate (its
-    step, sizes, dtype, device and the other optimizations), before the estimate itself runs."""
-    from .planning import plan_checkpointing
-
-    resolved, plans = list(optimizations), []
-    for i, o in enumerate(resolved):
-        if getattr(o, "budget_bytes", None) is None:
-            continue
-        others = tuple(x for j, x in enumerate(resolved) if j != i)
-        plan = plan_checkpointing(
-            model_fn, o.budget_bytes, provider=o.provider, inputs=inputs, optimizations=others, **kwargs
-        )
-        resolved[i] = plan.config
-        plans.append(plan)
-    return resolved, plans
 
 
 def estimate(
@@ -298,6 +280,8 @@ def estimate(
         return cached if card is None else _judged(cached, card)
     plans = []
     if any(getattr(o, "budget_bytes", None) is not None for o in optimizations):
+        from .planning import _plan_budgets
+
         optimizations, plans = _plan_budgets(
             model_fn, inputs, optimizations, step=step, dtype=dtype, device=device, batch_size=batch_size,
             seed=seed, parallel=parallel, **sizes,
@@ -475,19 +459,16 @@ def _measure(
                 tagger = _memo.Tagger(lists) if lists else None
                 if tagger is not None:
                     tagger.install(tracker, runner.optimizer)
-                counted = []
+                counted: list = []  # the steady step's ops, as memkit.steptime counts them
                 try:
                     for i in range(n - tracked, n):
                         bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
                         starts.append(len(tracker.log.rows))
-                        if count_ops and i == n - 1:  # the steady step's ops, as memkit.steptime counts them
-                            from ._counted import counting_step
-
-                            noted = [t for ts in host.values() for t in ts]
-                            with counting_step(tracker, tagger, runner.optimizer, noted, dict(label=label)) as counted:
-                                runner.run(kwargs)
-                        else:
+                        with _counted.counting_step(
+                            tracker, tagger, runner, host, label, count_ops and i == n - 1
+                        ) as c:
                             runner.run(kwargs)
+                        counted += c
                         bar.update()
                 finally:
                     if tagger is not None:

@@ -187,3 +187,19 @@ def plan_checkpointing(
         checkpointed=hi,
         tried=tuple(tried),
     )
+
+
+def _plan_budgets(model_fn, inputs, optimizations, **kwargs):
+    """Each ``Checkpointing(budget_bytes=...)`` replaced by the pattern it plans for this very estimate (its
+    step, sizes, dtype, device and the other optimizations), before the estimate itself runs."""
+    resolved, plans = list(optimizations), []
+    for i, o in enumerate(resolved):
+        if getattr(o, "budget_bytes", None) is None:
+            continue
+        others = tuple(x for j, x in enumerate(resolved) if j != i)
+        chosen = plan_checkpointing(
+            model_fn, o.budget_bytes, provider=o.provider, inputs=inputs, optimizations=others, **kwargs
+        )
+        resolved[i] = chosen.config
+        plans.append(chosen)
+    return resolved, plans

@@ -19,9 +19,8 @@ kernel launch gaps and the CPU's dispatch (a step of many small ops runs slower 
 communication. It is a ratio tool first: which configuration is faster, by about how much.
 
 Example:
-    >>> counts = memkit.steptime.count_ops("ltx-video", optimizations=[memkit.Checkpointing()], frames=81)
-    >>> t = memkit.steptime.step_seconds(counts, H100)      # a GPU with flops, memory_bandwidth, host_link
-    >>> t.seconds, t.recompute_seconds, print(t.why)
+    >>> tl = memkit.estimate("ltx-video", optimizations=[memkit.Checkpointing()], frames=81, count_ops=True)
+    >>> t = memkit.steptime.step_seconds(tl.op_counts, "h100"); t.seconds, t.recompute_seconds, print(t.why)
 """
 
 from __future__ import annotations
@@ -56,13 +55,9 @@ CLASSES = ("matmul", "attention", "conv", "elementwise", "optimizer", "transfer"
 """The op classes :func:`count_ops` sorts ops into."""
 
 EFFICIENCY: dict[str, tuple[float, float]] = {
-    "matmul": (0.7, 0.8),
-    "attention": (0.5, 0.8),
-    "conv": (0.5, 0.8),
-    "elementwise": (1.0, 0.8),
-    "optimizer": (1.0, 0.7),
-    "transfer": (1.0, 0.8),
-}
+    "matmul": (0.7, 0.8), "attention": (0.5, 0.8), "conv": (0.5, 0.8),
+    "elementwise": (1.0, 0.8), "optimizer": (1.0, 0.7), "transfer": (1.0, 0.8),
+}  # fmt: skip
 """Class -> (share of peak FLOP/s, share of the bandwidth) a real kernel reaches. Assumptions, set from public
 figures: large bf16 GEMMs in cuBLAS reach ~60-80% of an H100's dense peak (NVIDIA's and others' published
 benchmarks); FlashAttention-2 reaches 50-73% of an A100's peak forward and less backward (Dao, 2023), ~35-50% on an
@@ -164,12 +159,10 @@ def _is_view(func) -> bool:
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
-_NAMES: dict[Any, str] = {}
-"""Per aten overload: its name, or "" where it moves nothing (a view, an empty tensor): the counter skips it."""
+_NAMES: dict[Any, str] = {}  # per aten overload: its name, or "" where it moves nothing (a view): the counter skips it
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    """The tensors among an aten op's arguments: given directly or in a list (``cat``, the ``_foreach`` ops)."""
+def _tensors(values) -> list[torch.Tensor]:  # an aten op's tensor arguments: direct or in a list (cat, _foreach)
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -351,8 +344,8 @@ def count_ops(
     ops are the same; a ``_foreach`` op is counted per tensor, so the optimizer's ops add up per block too): equal to
     counting every block (``tests/test_steptime.py``) where the estimate itself memoizes (:func:`memkit._memo.
     unsupported` says where not: a checkpointing pattern that picks some blocks, an EMA, offload; those count every
-    block). ``meta`` holds the settings and which was done (``memoized``, ``memo``). A full-size model takes
-    seconds to a minute (every block of full LTX-Video at 4,224 tokens: ~10-20 s on 2 cores).
+    block). ``meta`` holds the settings and which was done (``memoized``, ``memo``). Its runs cost ~3x an estimate:
+    ``memkit.estimate(..., count_ops=True)`` counts the same ops as it runs (``timeline.op_counts``).
 
     Example:
         >>> counts = count_ops("flux", optimizations=[memkit.Checkpointing()])
