@@ -34,22 +34,22 @@ measured: fp8 storage without checkpointing keeps each layer's upcast bf16 weigh
 no quantization (full Flux LoRA r16: 58.0 GiB reserved against 47.6); the relaxation tries each dimension's lower
 levels first, so it meets no quantization before fp8, and the brute-force tests hold the search to the grid.
 
-The search does not walk the grid: it estimates the configurations with every dimension at its last level first
-(several where two dimensions do not compose: FSDP with a quantized base or with offloading, the split with a
-quantized base; such pairs are never estimated, and a fixed setting that conflicts with a dimension leaves it out, in
-``Plan.refused``). If none fits, nothing does, and the plan says so with the smallest peak found and what holds it.
-Then it relaxes one dimension at a time, the most expensive in step time first, to the lowest level that still fits, and certifies that
-no cheaper configuration fits, pruning those that switch on no more than one that failed. Two dimensions are not a
-chain, as measured: FSDP over k GPUs saves more than over fewer but is not compared with no FSDP (Flux small at
-256x256, LoRA r4: 128 MiB reserved unsharded, 140 over 2 GPUs; full Flux LoRA r16, all checkpointed: 25.1, 15.0,
-9.2, 6.4 GiB over 1, 2, 4, 8); offloading compares with nothing (in training the optimizer step onloads every
-group: full Flux LoRA r16 all checkpointed 25.13 GiB, offloaded 25.57), so it is the last resort: its configurations
-are estimated one by one, cheapest first, only where nothing without it fits. Every estimate counts its steady step's
-ops as it runs (``estimate(count_ops=True)``), so every configuration estimated that fits is ranked by its step time on
-the GPU (:mod:`memkit.steptime`'s roofline, where the GPU has a FLOP/s figure for the step's dtype), and says what it
-spends beside the configuration with nothing switched on (estimated too: :attr:`Plan.unconstrained`).
-``Plan.frontier()`` keeps the timed configurations no other beats in both step time and peak reserved bytes;
-:func:`memkit.plots.plan_figure` draws them against the GPU's usable bytes.
+The search does not walk the grid: it estimates the configurations with every dimension at its last level first (several
+where two dimensions do not compose: FSDP with a quantized base or with offloading, the split with a quantized base;
+such pairs are never estimated, and a fixed setting that conflicts with a dimension leaves it out, in ``Plan.refused``).
+If none fits, nothing does, and the plan says so with the smallest peak found and what holds it. Then it relaxes one
+dimension at a time, the most expensive in step time first, to the lowest level that still fits, and certifies that no
+cheaper configuration fits, pruning those that switch on no more than one that failed. Two dimensions are not a chain,
+as measured: FSDP over k GPUs saves more than over fewer but is not compared with no FSDP (Flux small at 256x256, LoRA
+r4: 128 MiB reserved unsharded, 140 over 2 GPUs; full Flux LoRA r16, all checkpointed: 25.1, 15.0, 9.2, 6.4 GiB over 1,
+2, 4, 8); offloading compares with nothing (in training the optimizer step onloads every group: full Flux LoRA r16 all
+checkpointed 25.13 GiB, offloaded 25.57), so it is the last resort: its configurations are estimated one by one,
+cheapest first, only where nothing without it fits. Every estimate counts its steady step's ops as it runs
+(``estimate(count_ops=True)``), so every configuration estimated that fits is ranked by its step time on the GPU
+(:mod:`memkit.steptime`'s roofline, where the GPU has a FLOP/s figure for the step's dtype), and says what it spends
+beside the configuration with nothing switched on (estimated too: :attr:`Plan.unconstrained`). ``Plan.frontier()`` keeps
+the timed configurations no other beats in both step time and peak reserved bytes; :func:`memkit.plots.plan_figure`
+draws them against the GPU's usable bytes.
 """
 
 from __future__ import annotations
