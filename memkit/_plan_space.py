@@ -47,12 +47,9 @@ ALLOC_CONFS = ("", "expandable_segments:True")
 # feed-forward matmuls; all-gathers over more GPUs; an 8-bit optimizer's update)
 RELAX_ORDER = ("offload", "ema", "checkpointing", "quantize", "ff_split", "fsdp", "optimizer")
 
-WEIGHTS = {"ema": 20.0, "checkpointing": 45.0, "quantize": 2.5, "ff_split": 1.0, "fsdp": 0.5, "optimizer": 0.1}
-"""The step-time prior of a level, in percent of a step: its dimension's weight times its rank (:func:`rank`). From the
-roofline of full Flux LoRA r16 on a 4090 (``bench/plan.py``'s grid): checkpointing every block +43-48%, an nf4 base
-+5% (rank 2), fp8 storage +2.6% (rank 1), 8-bit AdamW within 0.1%; an offloaded EMA's shadows over PCIe (20) and the
-split's smaller matmuls (1) are estimates. Offload outweighs every other dimension together: a configuration offloads
-only when nothing without it fits. It orders the search; the step times rank what fits."""
+WEIGHTS = {"ema": 5.0, "checkpointing": 4.0, "quantize": 3.0, "ff_split": 2.0, "fsdp": 0.5, "optimizer": 1.0}
+"""The step-time prior of a level: its dimension's weight times its rank (:func:`rank`). Offload outweighs every
+other dimension together: a configuration offloads only when nothing without it fits."""
 
 _CHECKPOINTED = {None: 0.0, "every:4": 0.25, "every:2": 0.5, "all": 1.0}  # the share of blocks recomputed
 
@@ -90,16 +87,10 @@ def at_most(a: Mapping[str, Any], b: Mapping[str, Any], space: Mapping[str, Sequ
     and under it checkpointing more can too (Flux small at 256x256, LoRA r4: every 2nd block checkpointed 84 MiB
     reserved, every block 86). FSDP's sharded levels compare among themselves (shards of 1/k), not with no FSDP,
     whose gathered blocks and buffers can outweigh what 2 shards save (the same Flux: 128 MiB unsharded, 140 over 2
-    GPUs). The optimizer's and the quantized base's levels compare only with themselves, as measured: 8-bit AdamW can
-    reserve more than AdamW (Flux small at 512x512, LoRA r4, fp8 base, all checkpointed: 120 MiB with 8-bit AdamW
-    against less with AdamW: small adapters keep fp32 moments, and its maps), and fp8 storage without checkpointing
-    keeps each layer's upcast weight for the backward (full Flux LoRA r16: 58.0 GiB against 47.6 unquantized)."""
+    GPUs)."""
     for d, x in a.items():
         y = b[d]
-        if d in ("optimizer", "quantize"):
-            if x != y:
-                return False
-        elif d == "offload":
+        if d == "offload":
             if x is not None or y is not None:
                 return False
         elif d == "fsdp":
