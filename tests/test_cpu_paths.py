@@ -61,7 +61,11 @@ def _probe(run: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize(
+    # CI time: "no-limit, learning off" (13-15 s, the learned workspaces switched off) in make test-extended
+    "run",
+    [pytest.param(r, marks=pytest.mark.extended) if r == "no-limit, learning off" else r for r in RUNS],
+)
 def test_tracker_equals_profiler_on_each_kernel_path(run):
     if missing := _missing(run):
         pytest.skip(f"{run}: this CPU lacks {', '.join(missing)}")

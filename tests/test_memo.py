@@ -219,21 +219,26 @@ FSDP = {
 }
 
 
-# a batch of 2 is spliced in test_every_setting (in CI), FSDP with checkpointing in fsdp-adam-3-steps, and each
-# preset's blocks in test_every_preset_default_step (FSDP's hooks are the same for every block): these under FSDP in
-# `make test-extended` (~13-15 s each)
+# a batch of 2 is spliced in test_every_setting (in CI), and each preset's blocks in test_every_preset_default_step
+# (FSDP's hooks are the same for every block): these under FSDP, and FSDP with checkpointing (fsdp-adam-3-steps), in
+# `make test-extended` (~11-15 s each)
 _FSDP_TIER = {  # fsdp-fp16-params (11 s): FSDP's param dtype, its hooks the same as fsdp-2's
     c: pytest.mark.extended
-    for c in ("fsdp-3-batch-2", "fsdp-4-checkpointing", "fsdp-hunyuanvideo", "fsdp-ltx", "fsdp-fp16-params")
+    # fsdp-adam-3-steps (11-13 s): FSDP with checkpointing and earlier steps' state, fsdp-2's hooks (CI time)
+    for c in (
+        "fsdp-3-batch-2",
+        "fsdp-4-checkpointing",
+        "fsdp-hunyuanvideo",
+        "fsdp-ltx",
+        "fsdp-fp16-params",
+        "fsdp-adam-3-steps",
+    )
 }
 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        c if c in ("fsdp-2", "fsdp-adam-3-steps") else pytest.param(c, marks=_FSDP_TIER.get(c, pytest.mark.slow))
-        for c in sorted(FSDP)
-    ],
+    [c if c == "fsdp-2" else pytest.param(c, marks=_FSDP_TIER.get(c, pytest.mark.slow)) for c in sorted(FSDP)],
 )
 def test_fsdp(case):
     # FSDP's hooks gather each block's parameters before its forward, reshard after it, free the last gather's

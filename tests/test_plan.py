@@ -283,8 +283,11 @@ def test_without_step_times_the_configurations_are_ranked_by_what_they_switch_on
     assert result.unconstrained is None and all(c.step_seconds is None and not c.why for c in result.tried)
 
 
-# CI time: resolution (16 s) in make test-extended; batch and frames (the 4k+1 grid) in CI
-@pytest.mark.parametrize("what", ["batch", pytest.param("resolution", marks=pytest.mark.extended), "frames"])
+# CI time: resolution (16 s) and batch (15 s) in make test-extended; frames (the 4k+1 grid) in CI
+@pytest.mark.parametrize(
+    "what",
+    [pytest.param(w, marks=pytest.mark.extended) for w in ("batch", "resolution")] + ["frames"],
+)
 def test_maximize_finds_the_largest_value_that_fits(what):
     from memkit.planning import maximize
 
