@@ -320,6 +320,11 @@ class Playground:
         return self.last_result
 
     def _start(self, kind: str, wait: bool) -> RunResult | None:
+        return self._launch(lambda: self._work(kind), kind, wait)
+
+    def _launch(self, work, name: str, wait: bool):
+        """Run ``work`` (Run, Estimate, Fit to GPU) with the buttons busy: in this thread with ``wait`` (its result),
+        else in the background (None); refused while another runs."""
         if self.state.running or (self._thread is not None and self._thread.is_alive()):
             self._say("a run is in progress: wait for it to finish or press Stop", "#c33")
             return None
@@ -327,8 +332,8 @@ class Playground:
         self.messages.value = ""
         self.progress.value, self.progress.bar_style = 0.0, ""
         if wait:
-            return self._work(kind)
-        self._thread = threading.Thread(target=self._work, args=(kind,), name=f"memkit-playground-{kind}", daemon=True)
+            return work()
+        self._thread = threading.Thread(target=work, name=f"memkit-playground-{name}", daemon=True)
         self._thread.start()
         return None
 

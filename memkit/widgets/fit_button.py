@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import html
-import threading
 from typing import Any
 
 import ipywidgets as widgets
@@ -62,18 +61,7 @@ class FitButton:
     def start(self, *, wait: bool = False) -> FitResult | None:
         """Fit (the button). ``wait=True`` runs in this thread and returns the result; else in the background, returning
         None (the result lands in ``playground.last_fit``)."""
-        pg = self.pg
-        if pg.state.running or (pg._thread is not None and pg._thread.is_alive()):
-            pg._say("a run is in progress: wait for it to finish or press Stop", "#c33")
-            return None
-        pg._busy(True)
-        pg.messages.value = ""
-        pg.progress.value, pg.progress.bar_style = 0.0, ""
-        if wait:
-            return self._work()
-        pg._thread = threading.Thread(target=self._work, name="memkit-playground-fit", daemon=True)
-        pg._thread.start()
-        return None
+        return self.pg._launch(self._work, "fit", wait)
 
     def _work(self) -> FitResult | None:
         pg, result = self.pg, None
