@@ -86,7 +86,7 @@ def estimate(
     optimizer_on: str = "device",
     offload_gradients: bool = False,
     alloc_conf: str = "",
-    gpu: str | None = None,
+    gpu: str | gpus.GPU | None = None,
     count_ops: bool = False,
     **sizes: int,
 ) -> Timeline:
@@ -153,8 +153,9 @@ def estimate(
         alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string (``"expandable_segments:True"``, ``"max_split_size_mb:512"``)
             for the caching allocator the ``"cuda"`` events are replayed through (a bad option is a ValueError
             naming it); ``""`` is torch's defaults. Unused for another device.
-        gpu: a GPU to judge the reserved peak against (``"4090"``, ``"h100"``, ``"24GiB"``: `memkit.gpus`; only with
-            ``device="cuda"``): ``meta`` gains ``fits``, ``verdict`` (fits / within the spread / does not fit),
+        gpu: a GPU to judge the reserved peak against (``"4090"``, ``"h100"``, ``"24GiB"``, or a `memkit.gpus.GPU`
+            such as ``memkit.gpus.local()``; only with ``device="cuda"``):
+            ``meta`` gains ``fits``, ``verdict`` (fits / within the spread / does not fit),
             ``headroom_bytes``, ``usable_bytes`` and the card's names (see :func:`memkit.gpus.judge`).
         count_ops: also count the steady step's ops as it runs (``timeline.op_counts``, a
             :class:`memkit.steptime.OpCounts`; :func:`memkit.steptime.step_seconds` makes a step time of them): the
@@ -264,7 +265,7 @@ def estimate(
     if not isinstance(alloc_conf, str):
         raise TypeError(f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string, got {type(alloc_conf).__name__}")
     parse_conf(alloc_conf)  # a bad option is a ValueError naming it, before the step runs
-    card = None if gpu is None else gpus.find(gpu)  # an unknown name lists the known ones, before the step runs
+    card = None if gpu is None else gpu if isinstance(gpu, gpus.GPU) else gpus.find(gpu)  # a bad name: before the step
     if card is not None and device != "cuda":
         raise ValueError(f"gpu={gpu!r} judges a device='cuda' estimate's reserved peak; got device={device!r}")
     t0 = time.perf_counter()

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field, replace
 
 from ._gpu_catalog import SPECS
 
-__all__ = ["CATALOG", "DTYPES", "GPU", "Verdict", "find", "judge", "verdict"]
+__all__ = ["CATALOG", "DTYPES", "GPU", "Verdict", "find", "judge", "local", "verdict"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -203,6 +203,33 @@ def find(name: str) -> GPU:
         return GPU(name.strip(), f"a {name.strip()} GPU", (total, total), "the size given", 90)
     names = ", ".join(CATALOG)
     raise ValueError(f"unknown gpu {name!r}: one of {names}, or an explicit size such as 24GiB or 24GB")
+
+
+def local(index: int = 0) -> GPU | None:
+    """This machine's CUDA device ``index`` as a `GPU`, or None where torch sees no CUDA device (a CPU-only build, no
+    driver): the catalog's card of the name the driver gives, with its total replaced by the device's own
+    ``total_memory`` (and its compute and bandwidth kept), or for a card not in the catalog one made from that total
+    (no FLOP/s: step times then need a catalog card, ``gpu="4090"``). What an estimate judges with ``gpu=...`` is the
+    same either way: the total less the CUDA context and cuBLAS's workspace.
+
+    Example:
+        >>> gpu = memkit.gpus.local()
+        >>> gpu.name if gpu else "no CUDA device: estimates stand for one (device='cuda')"
+    """
+    import torch
+
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"index must be a CUDA device number >= 0, got {index!r}")
+    if not torch.cuda.is_available():
+        return None
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"index={index}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    props = torch.cuda.get_device_properties(index)
+    total, source = (props.total_memory,) * 2, f"this machine's cuda:{index} (total_memory)"
+    for gpu in CATALOG.values():
+        if gpu.name == props.name:
+            return replace(gpu, total_bytes=total, source=source)
+    return GPU(f"cuda:{index}", props.name, total, source, props.major * 10 + props.minor)
 
 
 @dataclass(frozen=True)

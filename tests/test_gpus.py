@@ -116,6 +116,9 @@ def test_estimate_takes_a_gpu_and_judges_its_reserved_peak():
     assert tl.meta["headroom_bytes"] == 24 * GiB - 426 * MiB - 32 * MiB - tl.peak_reserved_bytes
     again = memkit.estimate("pixart", size="tiny", progress=False)  # the process cache holds no verdict
     assert again.meta["cached"] and "fits" not in again.meta
+    card = gpus.GPU("mine", "A small card", (tl.peak_reserved_bytes + 300 * MiB,) * 2, "a test")  # a GPU object
+    judged = memkit.estimate("pixart", size="tiny", gpu=card, progress=False)
+    assert judged.meta["gpu"] == "mine" and judged.meta["verdict"] == "within the spread"
     with pytest.raises(ValueError, match="gpu='4090' judges a device='cuda' estimate"):
         memkit.estimate("pixart", size="tiny", device="cpu", gpu="4090", progress=False)
     with pytest.raises(ValueError, match="unknown gpu"):
@@ -235,3 +238,47 @@ def test_flops_take_only_known_dtypes_and_the_catalog_stays_frozen():
     with pytest.raises(TypeError):
         h100.flops["bf16"] = 0.0  # a read-only mapping: the frozen card's figures cannot drift
     assert hash(h100) == hash(gpus.find("h100"))
+
+
+class _Props:
+    def __init__(self, name, total_memory, major=8, minor=9):
+        self.name, self.total_memory, self.major, self.minor = name, total_memory, major, minor
+
+
+def _fake_cuda(monkeypatch, *devices):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(devices))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(devices))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: devices[i])
+
+
+def test_local_is_none_without_a_cuda_device(monkeypatch):
+    _fake_cuda(monkeypatch)
+    assert gpus.local() is None
+
+
+def test_local_is_the_catalog_card_with_this_devices_own_total(monkeypatch):
+    own = 24_000 * 2**20  # not the catalog's 24,563 MiB: a driver keeping more
+    _fake_cuda(monkeypatch, _Props("NVIDIA GeForce RTX 4090", own))
+    gpu = gpus.local()
+    card = gpus.find("4090")
+    assert gpu.key == "4090" and gpu.total_bytes == (own, own) and "cuda:0" in gpu.source
+    assert gpu.flops_for("bf16") == card.flops_for("bf16") and gpu.sm == card.sm
+    assert gpu.usable_bytes() == (own - gpus.CONTEXT_BYTES[1] - card.workspace_bytes,
+                                  own - gpus.CONTEXT_BYTES[0] - card.workspace_bytes)  # fmt: skip
+
+
+def test_local_makes_a_card_the_catalog_lacks_from_its_total(monkeypatch):
+    _fake_cuda(monkeypatch, _Props("NVIDIA H100 80GB HBM3", 81_082 * 2**20, 9, 0), _Props("Some GPU", 10 * 2**30, 7, 5))
+    gpu = gpus.local(1)
+    assert (gpu.key, gpu.name, gpu.total_bytes, gpu.sm) == ("cuda:1", "Some GPU", (10 * 2**30,) * 2, 75)
+    assert gpu.flops is None and gpus.verdict(9 * 2**30, gpu).status == "fits"
+    assert gpus.local(0).key == "h100"
+
+
+@pytest.mark.parametrize("index", [-1, 2, 1.0, True])
+def test_local_refuses_a_device_this_machine_lacks(monkeypatch, index):
+    _fake_cuda(monkeypatch, _Props("NVIDIA L4", 22_000 * 2**20), _Props("NVIDIA L4", 22_000 * 2**20))
+    with pytest.raises(ValueError, match="index"):
+        gpus.local(index)
