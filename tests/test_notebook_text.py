@@ -31,3 +31,9 @@ def test_no_unformatted_placeholder_is_stored(path):
     cells = json.loads(path.read_text())["cells"]
     holes = [(i, h) for i, cell in enumerate(cells) for h in PLACEHOLDER.findall(_shown_text(cell))]
     assert not holes, f"{path.name}: cell (index) and placeholder shown unformatted: {holes}"
+
+
+def test_the_notebook_map_links_every_notebook_and_only_those():
+    text = (NOTEBOOKS[0].parent / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([^)]+\.ipynb)\)", text))
+    assert linked == {p.name for p in NOTEBOOKS}, "notebooks/README.md must link each notebook once it exists"

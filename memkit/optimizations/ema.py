@@ -213,6 +213,7 @@ def diffusers_check(
     """
     from diffusers.training_utils import EMAModel
 
+    @torch.no_grad()  # differences of trained weights: no graph, and no warning for float() of a tensor needing grad
     def check(model: torch.nn.Module, handle: Handle) -> dict[str, float]:
         start = initial()
         moved = max(
