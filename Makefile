@@ -157,10 +157,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
 	$(BIN)/ruff format --check memkit tests bench
 
-# Re-run every notebook and store it executed, with static PNG figures so GitHub shows them.
+# Re-run every notebook and store it executed, with static PNG figures so GitHub shows them, and each widget output
+# as the Playground's screenshot (notebooks/_store.py: GitHub cannot draw a live widget).
 # Needs Chromium for kaleido (Debian: apt-get install chromium).
 notebooks: $(STAMP)
 	BROWSER_PATH=$${BROWSER_PATH:-/usr/bin/chromium} PLOTLY_RENDERER=png $(BIN)/jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb
+	$(BIN)/python notebooks/_store.py notebooks/*.ipynb
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

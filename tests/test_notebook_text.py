@@ -37,3 +37,36 @@ def test_the_notebook_map_links_every_notebook_and_only_those():
     text = (NOTEBOOKS[0].parent / "README.md").read_text()
     linked = set(re.findall(r"\]\(([^)]+\.ipynb)\)", text))
     assert linked == {p.name for p in NOTEBOOKS}, "notebooks/README.md must link each notebook once it exists"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_live_widget_is_stored(path):
+    """GitHub cannot draw a widget: it would show its repr ("VBox(children=..."). `make notebooks` stores the
+    Playground's screenshot instead (notebooks/_store.py)."""
+    nb = json.loads(path.read_text())
+    assert "widgets" not in nb["metadata"]
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            data = out.get("data") or {}
+            assert "application/vnd.jupyter.widget-view+json" not in data
+            assert not "".join(data.get("text/plain", "")).startswith(("VBox(", "HBox(")), path.name
+
+
+def test_store_replaces_a_widget_output_by_the_screenshot(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_store", NOTEBOOKS[0].parent / "_store.py")
+    store = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(store)
+    widget = {"output_type": "display_data", "metadata": {},
+              "data": {store.WIDGET: {"model_id": "x"}, "text/plain": ["VBox(children=(...))"]}}  # fmt: skip
+    plain = {"output_type": "stream", "name": "stdout", "text": ["kept\n"]}
+    nb = {"cells": [{"cell_type": "code", "source": [], "metadata": {}, "outputs": [widget, plain]}],
+          "metadata": {"widgets": {"state": {}}}, "nbformat": 4, "nbformat_minor": 5}  # fmt: skip
+    path = tmp_path / "n.ipynb"
+    path.write_text(json.dumps(nb))
+    assert store.store(path) == 1
+    out = json.loads(path.read_text())
+    first, second = out["cells"][0]["outputs"]
+    assert set(first["data"]) == {"image/png", "text/plain"} and "picture" in first["data"]["text/plain"][0]
+    assert second == plain and "widgets" not in out["metadata"]

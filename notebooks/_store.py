@@ -1,0 +1,65 @@
+"""Make executed notebooks readable where no kernel runs (GitHub's viewer): `make notebooks` runs this after nbconvert.
+
+A live widget's output is only a reference into the kernel's widget state, which GitHub cannot draw: it shows the
+widget's repr ("VBox(children=(HTML(...") instead. So each widget output is replaced by the Playground's screenshot
+(``screenshots/playground.png``, which the browser test writes from the live app after a Run, at half size) with a
+line saying it is a picture, and the notebook's widget state is dropped. Run live, the cell shows
+the app itself.
+
+Usage: ``python notebooks/_store.py notebooks/*.ipynb``
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import sys
+from pathlib import Path
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+SCREENSHOT = Path(__file__).resolve().parent / "screenshots" / "playground.png"
+SCALE = 0.5  # of the screenshot's size: 424 pixels wide, the whole app (controls, buttons, table, timeline)
+CAPTION = (
+    "The Playground, as a picture: widgets run only in a live Jupyter or Colab kernel (this is the app after a Run, "
+    "from the browser test's screenshot). Run the notebook to use it."
+)
+
+
+def _picture() -> str:
+    """The screenshot at :data:`SCALE` as base64 PNG (at full size where Pillow is missing)."""
+    data = SCREENSHOT.read_bytes()
+    try:
+        from PIL import Image
+    except ImportError:
+        return base64.b64encode(data).decode()
+    image = Image.open(io.BytesIO(data))
+    out = io.BytesIO()
+    size = (round(image.width * SCALE), round(image.height * SCALE))
+    image.resize(size, Image.LANCZOS).save(out, format="PNG", optimize=True)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def store(path: Path) -> int:
+    """Rewrite ``path`` in place; returns how many widget outputs were replaced."""
+    nb = json.loads(path.read_text())
+    replaced = 0
+    picture = None
+    for cell in nb["cells"]:
+        for output in cell.get("outputs", []):
+            data = output.get("data") or {}
+            if WIDGET in data:
+                picture = picture or _picture()
+                output["data"] = {"image/png": picture, "text/plain": [CAPTION]}
+                output.setdefault("metadata", {})
+                replaced += 1
+    nb["metadata"].pop("widgets", None)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return replaced
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        n = store(Path(name))
+        if n:
+            print(f"{name}: {n} widget output(s) stored as the Playground's screenshot")
