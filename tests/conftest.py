@@ -1,5 +1,16 @@
+import os
+
 import pytest
 import torch
+
+# pytest-xdist's workers share the machine's cores. torch's default (an intra-op thread per core) in each worker
+# oversubscribes them, and OpenMP's waiting threads then slow every real-tensor test: tests/test_checkpointing.py and
+# tests/test_estimate.py on 2 cores with 2 workers took 171 s with 2 threads each, 48 s with one (2026-11-26). So a
+# worker runs with its share of the cores; tests of thread-dependent kernels (attention's per-thread buffers, the
+# EMA's threaded update) set their own thread count, and `_deterministic_threads` restores this one after each test.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 # The slow suites train every preset in many settings (offload equality over three steps, checkpointing with every
 # provider, the tracker against the profiler, every input size): minutes per preset. Their cases run in `make test`
