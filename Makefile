@@ -37,10 +37,9 @@ lab: $(STAMP)
 # TEST_WORKERS processes (pytest-xdist): most tests are single-threaded Python over small models, so two workers keep
 # both cores of a 2-core machine busy. TEST_WORKERS=0 runs them one after another in one process.
 TEST_WORKERS ?= 2
-# Each worker's (and each notebook kernel's) share of the cores: torch's default of a thread per core in every one of
-# them oversubscribes the machine, and OpenMP's waiting threads slow real-tensor work ~3x (tests/conftest.py does the
-# same for the unit tests' workers).
-WORKER_THREADS := $(shell python3 -c "import os; w = $(TEST_WORKERS) or 1; print(max(1, (os.cpu_count() or 1) // w))")
+# Each unit-test worker runs with its share of the cores (tests/conftest.py: a thread per core in each worker
+# oversubscribes the machine, ~3x slower on real tensors). The notebooks keep torch's default, as a reader's kernel
+# has: notebook 01's largest allocation is CPU flash attention's per-thread buffer, whose size follows the threads.
 
 # .venv-colab is created in the background while the unit tests run (about 4 minutes, mostly downloads and unpacking:
 # in sequence it would take CI past 20 minutes); its log is .venv-colab.log. No coverage here: coverage's tracer
@@ -51,8 +50,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory $(COLAB_STAMP) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not extended" -n $(TEST_WORKERS) \
 		--dist worksteal --durations=15 \
-	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json OMP_NUM_THREADS=$(WORKER_THREADS) $(BIN)/python -m pytest --nbval-lax \
-		-n $(TEST_WORKERS) --dist loadfile notebooks \
+	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax -n $(TEST_WORKERS) --dist loadfile notebooks \
 	&& { wait $$colab || { tail -50 $(COLAB_VENV).log; echo "creating $(COLAB_VENV) failed"; exit 1; }; }
 	$(MAKE) browser-test colab-test
 
