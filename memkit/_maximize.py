@@ -77,7 +77,7 @@ def maximize(
         raise ValueError(f"what must be one of {list(MAXIMIZE)}, got {what!r}")
     if model not in PRESETS:
         raise ValueError(f"maximize grows a preset's inputs; {model!r} is not a preset: one of {list(PRESETS)}")
-    card = gpu if isinstance(gpu, gpus.GPU) else gpus.find(gpu)
+    card = gpus.find(gpu)
     defaults = {**PRESETS[model].input_sizes[size], **{k: v for k, v in estimate_kwargs.items() if k in _SIZE_KEYS}}
     if what == "frames" and "frames" not in defaults:
         raise ValueError(f"{model} is an image model: it has no frames to grow (maximize batch or resolution)")

@@ -224,7 +224,7 @@ def plan(
     from .units import format_bytes
 
     t0 = time.perf_counter()
-    card = gpu if isinstance(gpu, gpus_module.GPU) else gpus_module.find(gpu)
+    card = gpus_module.find(gpu)
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be an int >= 1 (the GPUs the run has), got {gpus!r}")
     explicit = search is not None

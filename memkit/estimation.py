@@ -265,7 +265,7 @@ def estimate(
     if not isinstance(alloc_conf, str):
         raise TypeError(f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string, got {type(alloc_conf).__name__}")
     parse_conf(alloc_conf)  # a bad option is a ValueError naming it, before the step runs
-    card = None if gpu is None else gpu if isinstance(gpu, gpus.GPU) else gpus.find(gpu)  # a bad name: before the step
+    card = None if gpu is None else gpus.find(gpu)  # an unknown name lists the known ones, before the step runs
     if card is not None and device != "cuda":
         raise ValueError(f"gpu={gpu!r} judges a device='cuda' estimate's reserved peak; got device={device!r}")
     t0 = time.perf_counter()

@@ -184,13 +184,16 @@ CATALOG: dict[str, GPU] = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G)\s*$", re.IGNORECASE)
 
 
-def find(name: str) -> GPU:
+def find(name: str | GPU) -> GPU:
     """The catalog's GPU of that name (any case, aliases too), or a card of an explicit size (``"24GiB"``, ``"24GB"``:
-    its total, from which the context and workspace are taken as for any card; ``G`` means GiB).
+    its total, from which the context and workspace are taken as for any card; ``G`` means GiB). A `GPU` (as
+    `local` returns) is itself: every ``gpu=`` argument takes either.
 
     Example:
         >>> find("RTX4090").key, find("24GiB").total_bytes     # ('4090', (25769803776, 25769803776))
     """
+    if isinstance(name, GPU):
+        return name
     key = name.strip().lower().replace("_", "-").replace(" ", "")
     for gpu in CATALOG.values():
         if key == gpu.key or key in gpu.aliases:
@@ -266,8 +269,7 @@ def verdict(peak_reserved_bytes: int, gpu: GPU | str) -> Verdict:
     Example:
         >>> verdict(tl.peak_reserved_bytes, "4090").describe()
     """
-    if not isinstance(gpu, GPU):
-        gpu = find(gpu)
+    gpu = find(gpu)
     if peak_reserved_bytes < 0:
         raise ValueError(f"peak_reserved_bytes must be >= 0, got {peak_reserved_bytes}")
     low, high = gpu.usable_bytes()

@@ -245,7 +245,7 @@ def estimate_job(
         raise ValueError("validate and precompute are phases of a training job; mode='inference' has neither")
     if training and pipeline.cfg is not None and pipeline.validate is None:
         raise ValueError("cfg applies to inference and to validation: give mode='inference' or validate=(every, steps)")
-    card = None if gpu is None else gpu if isinstance(gpu, gpus.GPU) else gpus.find(gpu)
+    card = None if gpu is None else gpus.find(gpu)
     if card is not None and device != "cuda":
         raise ValueError(f"gpu={gpu!r} judges a device='cuda' estimate's reserved peak; got device={device!r}")
     comps: tuple = ()

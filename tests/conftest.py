@@ -5,9 +5,10 @@ import torch
 
 # pytest-xdist's workers share the machine's cores. torch's default (an intra-op thread per core) in each worker
 # oversubscribes them, and OpenMP's waiting threads then slow every real-tensor test: tests/test_checkpointing.py and
-# tests/test_estimate.py on 2 cores with 2 workers took 171 s with 2 threads each, 48 s with one (2026-11-26). So a
-# worker runs with its share of the cores; tests of thread-dependent kernels (attention's per-thread buffers, the
-# EMA's threaded update) set their own thread count, and `_deterministic_threads` restores this one after each test.
+# tests/test_estimate.py on 2 cores with 2 workers took 171 s with 2 threads each, 57 s with one set here (48 s with
+# OMP_NUM_THREADS=1; 2026-11-26). So a worker runs with its share of the cores; tests of thread-dependent kernels
+# (attention's per-thread buffers, the EMA's threaded update) set their own thread count, and
+# `_deterministic_threads` restores this one after each test.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))

@@ -282,3 +282,8 @@ def test_local_refuses_a_device_this_machine_lacks(monkeypatch, index):
     _fake_cuda(monkeypatch, _Props("NVIDIA L4", 22_000 * 2**20), _Props("NVIDIA L4", 22_000 * 2**20))
     with pytest.raises(ValueError, match="index"):
         gpus.local(index)
+
+
+def test_find_takes_a_gpu_as_itself():
+    card = gpus.GPU("mine", "A card", (8 * GiB, 8 * GiB), "a test")
+    assert gpus.find(card) is card and gpus.verdict(GiB, card).gpu is card
