@@ -8,10 +8,12 @@ steady step), each in a fresh Python process with torch, diffusers, the preset's
   ``memoize=False``, ``FakeDispatchCache`` off);
 - **no memo**: every block run, ops through the fake-dispatch cache (``memoize=False``: the path settings that
   are not memoized take);
-- **memoized**: the default (a probe of four blocks per list, its events spliced: `memkit/_memo.py`,
-  `memkit/_splice.py`).
+- **memo, steady run**: the probe of four blocks per list, its events spliced (`memkit/_memo.py`,
+  `memkit/_splice.py`), both of its steps run whole (``memkit._steady.ENABLED = False``);
+- **memoized**: the default: the same probe, its steady step's forward and backward taken from its first step's
+  and only its update run (`memkit/_steady.py`).
 
-For the memoized path, "first" is the first estimate of the process, "new setting" a second estimate with another
+For the memoized paths, "first" is the first estimate of the process, "new setting" a second estimate with another
 setting (``Checkpointing()``) in the same warm process, "same again" the first setting asked again (answered from
 the process's cache). Every path must give the same peak to the byte: the table says whether it did.
 """
@@ -30,6 +32,9 @@ from .estimate_full import _peak_rss_kib
 TITLE = "estimate_speed: full-size estimates, memoized vs every block run"
 TARGET_FIRST, TARGET_WARM = 3.0, 1.0  # seconds, full Flux
 _TIMEOUT = 1800
+# the seven presets this bench has timed since the issue was opened (every preset's estimate is timed, memoized
+# or not, in bench/estimate_full.py)
+PRESETS = ("flux", "sd3", "ltx-video", "wan", "unet", "pixart", "dit")
 
 
 def _worker(preset: str, how: str) -> None:
@@ -38,13 +43,16 @@ def _worker(preset: str, how: str) -> None:
     import torch  # noqa: F401
 
     import memkit
+    import memkit._steady
     import memkit.estimation as estimation
 
     getattr(diffusers, memkit.PRESETS[preset].model_class)  # diffusers imports each model's module on first use
     imports = time.perf_counter() - t0
     if how == "baseline":
         estimation.FakeDispatchCache = lambda: None
-    memoize = how == "memoized"
+    if how == "memo, steady run":
+        memkit._steady.ENABLED = False
+    memoize = how.startswith("memo")
     t1 = time.perf_counter()
     first = memkit.estimate(preset, progress=False, memoize=memoize)
     t2 = time.perf_counter()
@@ -76,30 +84,36 @@ def _run(preset: str, how: str) -> dict:
 
 
 def run(quick: bool = False) -> Section:
-    import memkit
-
-    presets = ("dit", "pixart") if quick else tuple(memkit.PRESETS)
+    presets = ("dit", "pixart") if quick else PRESETS
     rows, notes, flux = [], [], None
     for preset in presets:
-        log(f"  {preset}: baseline, no memo, memoized (fresh processes)")
+        log(f"  {preset}: baseline, no memo, memo with the steady step run, memoized (fresh processes)")
         try:
-            base, plain, memo = (_run(preset, how) for how in ("baseline", "no memo", "memoized"))
+            base, plain, ran, memo = (
+                _run(preset, how) for how in ("baseline", "no memo", "memo, steady run", "memoized")
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"  {preset} FAILED: {e}")
             rows.append({"preset": preset, "error": str(e).splitlines()[-1][:200]})
             continue
-        same = base["peak_bytes"] == plain["peak_bytes"] == memo["peak_bytes"] and base["events"] == memo["events"]
+        same = (
+            base["peak_bytes"] == plain["peak_bytes"] == ran["peak_bytes"] == memo["peak_bytes"]
+            and base["events"] == ran["events"] == memo["events"]
+        )
         rows.append(
             {
                 "preset": preset,
                 "memoized": "yes" if memo["memoized"] else "no (runs every block)",
                 "baseline (s)": base["first"],
                 "no memo (s)": plain["first"],
+                "memo, steady run: first (s)": ran["first"],
+                "memo, steady run: new setting (s)": ran["new_setting"],
                 "memoized first (s)": memo["first"],
                 "memoized new setting (s)": memo["new_setting"],
                 "same again (s)": memo["same_again"],
                 "baseline / memoized": base["first"] / memo["first"],
                 "baseline / no memo": base["first"] / plain["first"],
+                "steady run / derived (new setting)": ran["new_setting"] / memo["new_setting"],
                 "peak RSS baseline (MiB)": base["rss_peak_kib"] / 2**10,
                 "peak RSS memoized (MiB)": memo["rss_peak_kib"] / 2**10,
                 "imports (s)": memo["imports"],

@@ -64,10 +64,14 @@ class _TaggedCounter(_Counter):
 
 
 @contextlib.contextmanager
-def counting_step(tracker, tagger, runner, host: dict, label: str, count: bool) -> Iterator[list[OpCounts]]:
+def counting_step(
+    tracker, tagger, runner, host: dict, label: str, count: bool, derived=None
+) -> Iterator[list[OpCounts]]:
     """Count the ops of the code inside the block (one step the estimate tracks, ``runner`` its bound step, ``host``
     the placement plan's host tensors) where ``count``: yields a list that holds the :class:`OpCounts` once the block
-    ends (empty where not ``count``)."""
+    ends (empty where not ``count``). With ``derived`` (a :class:`memkit._steady.Derived`), the block is both tracked
+    steps, and ``derived`` keeps of the count what the steady step does: the first step's forward and backward, then
+    the steady update (or the whole steady step, where it runs whole)."""
     out: list[OpCounts] = []
     if not count:
         yield out
@@ -75,6 +79,8 @@ def counting_step(tracker, tagger, runner, host: dict, label: str, count: bool) 
     disk: list[int] = []
     noted = [t for ts in host.values() for t in ts]
     counter = _TaggedCounter(noted, disk, tracker, tagger, runner.optimizer)
+    if derived is not None:
+        derived.counter = counter
     with _disk_loads(disk), counter.hooks():
         yield out
     memo = "counted as the estimate ran" + (f", {PROBE} blocks per list weighted" if tagger is not None else "")

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
-from . import _counted, _memo, _splice, gpus
+from . import _counted, _memo, _splice, _steady, gpus
 from ._results import _cache_key, _lookup, _store, clear_cache
 from ._step_peaks import _NO_RESERVED, _reserved, _step_of, _step_peaks
 from ._torch_compat import known_values
@@ -148,8 +148,11 @@ def estimate(
             splice the full timeline from theirs (:mod:`memkit._memo`): byte-equal to running every block, ~5-10x
             faster at full size (full Flux: ~2-3 s instead of ~20 s). Settings whose memory is not a sum over
             identical blocks (an EMA, offload, FSDP, checkpointing of some blocks only) and models without such a
-            list run every block; ``meta["memoized"]`` says which happened and ``meta["memo"]`` why. False runs
-            every block (the reference the memoized timeline is tested against).
+            list run every block; ``meta["memoized"]`` says which happened and ``meta["memo"]`` why. The probe's
+            steady step runs only its update: its forward and backward are the first step's on other storages
+            (:mod:`memkit._steady`; ``meta["steady_derived"]``), where nothing but the optimizer's state differs
+            between the two steps. False runs every block and both steps whole (the reference the memoized
+            timeline is tested against).
         alloc_conf: a ``PYTORCH_CUDA_ALLOC_CONF`` string (``"expandable_segments:True"``, ``"max_split_size_mb:512"``)
             for the caching allocator the ``"cuda"`` events are replayed through (a bad option is a ValueError
             naming it); ``""`` is torch's defaults. Unused for another device.
@@ -357,13 +360,17 @@ def estimate(
         host_bytes=host_bytes,
         disk_bytes=disk,
         memoized=why_not is None,
-        memo=why_not or f"spliced from a probe of {_memo.PROBE} blocks per list",
+        memo=why_not or _SPLICED + _DERIVED[timeline.meta["steady_derived"]],
         checkpoint_plans=[str(p) for p in plans],
         cached=False,
         seconds=time.perf_counter() - t0,
     )
     _store(key, timeline)
     return timeline if card is None else _judged(timeline, card)
+
+
+_SPLICED = f"spliced from a probe of {_memo.PROBE} blocks per list"
+_DERIVED = {True: "; its steady forward and backward are its first step's (memkit._steady)", False: ""}
 
 
 def _judged(timeline: Timeline, card: gpus.GPU) -> Timeline:
@@ -461,27 +468,37 @@ def _measure(
                 if tagger is not None:
                     tagger.install(tracker, runner.optimizer)
                 counted: list = []  # the steady step's ops, as memkit.steptime counts them
+                # a probe's steady forward and backward: the first step's, on other storages (memkit._steady)
+                derived = _steady.Derived(tracker, tagger, runner, parallel=parallel)
+                both = count_ops and tracked == 2 and derived.eligible  # counted over both steps (memkit._steady)
                 try:
-                    for i in range(n - tracked, n):
-                        bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
-                        starts.append(len(tracker.log.rows))
-                        with _counted.counting_step(
-                            tracker, tagger, runner, host, label, count_ops and i == n - 1
-                        ) as c:
-                            runner.run(kwargs)
-                        counted += c
-                        bar.update()
+                    with _counted.counting_step(tracker, tagger, runner, host, label, both, derived) as counted_both:
+                        for i in range(n - tracked, n):
+                            bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
+                            starts.append(len(tracker.log.rows))
+                            with _counted.counting_step(
+                                tracker, tagger, runner, host, label, count_ops and not both and i == n - 1
+                            ) as c:
+                                if tracked == 2:
+                                    derived.run(i - (n - tracked), kwargs)
+                                else:
+                                    runner.run(kwargs)
+                            counted += c
+                            bar.update()
+                    counted += counted_both
                 finally:
                     if tagger is not None:
                         tagger.remove()
         base_blocks = list(tracker.baseline_blocks)
         if tagger is not None:
+            derived.rewrite()
             timeline, starts = _splice.spliced_timeline(tagger, tracker, timeline, starts)
             base_blocks = _splice.spliced_baseline(tagger, base_blocks)
         # noted state (the most alive at once: gradients and optimizer state of a host optimizer come and go)
         host_bytes = dict(timeline.meta.get("host_state_bytes") or {})
         if timeline.meta.get("host_peak_bytes"):  # made in the step under off_device(): offloaded checkpoints
             host_bytes["activation"] = timeline.meta["host_peak_bytes"]
+    timeline.meta["steady_derived"] = derived.derived
     ops = counted[0] if counted else None
     counts = (params, trainable, trained_bytes)
     return timeline, starts, counts, host_bytes, sum(plan.disk), base_blocks, input_keys, ops

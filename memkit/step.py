@@ -87,16 +87,25 @@ def _run(
             del micro
         if on_grads is not None:
             on_grads(model)
-        if optimizer is not None:
-            if scaler is not None:  # unscales the gradients in place, steps unless one is not finite
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        update(optimizer, None, scaler)
     if handle is not None:
         handle.after_step()
     return loss
+
+
+def update(optimizer: torch.optim.Optimizer | None, handle: Handle | None, scaler: Scaler | None = None) -> None:
+    """What a training step does once its gradients are made: the optimizer's step (through ``scaler``, if any),
+    its ``zero_grad(set_to_none=True)``, then ``handle.after_step()``. ``memkit._steady`` runs it alone for a
+    steady step whose forward and backward it derives from the first step's."""
+    if optimizer is not None:
+        if scaler is not None:  # unscales the gradients in place, steps unless one is not finite
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if handle is not None:
+        handle.after_step()
 
 
 def train_step(
