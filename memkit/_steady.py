@@ -64,6 +64,29 @@ class Derived:
         self._marks: tuple[int, int, int] | None = None
 
     # ---- running --------------------------------------------------------------------------------------------
+    def run_steps(self, inputs, n: int, tracked: int, starts: list[int], bar, host: dict, label: str, count_ops: bool):
+        """Run an estimate's ``tracked`` last steps of ``n`` (appending where each starts to ``starts``, advancing
+        ``bar``); returns the steady step's op counts as a list of one :class:`memkit.steptime.OpCounts` where
+        ``count_ops`` (over both steps where the steady one is derived: :mod:`memkit._counted`), else empty."""
+        from . import _counted
+
+        tracker, tagger, runner = self.tracker, self.tagger, self.runner
+        counted: list = []
+        both = count_ops and tracked == 2 and self.eligible
+        with _counted.counting_step(tracker, tagger, runner, host, label, both, self) as counted_both:
+            for i in range(n - tracked, n):
+                bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
+                starts.append(len(tracker.log.rows))
+                once = count_ops and not both and i == n - 1
+                with _counted.counting_step(tracker, tagger, runner, host, label, once) as c:
+                    if tracked == 2:
+                        self.run(i - (n - tracked), inputs)
+                    else:
+                        runner.run(inputs)
+                counted += c
+                bar.update()
+        return counted + counted_both
+
     def run(self, index: int, inputs) -> None:
         """Run tracked step ``index`` (0: the first, 1: the steady one)."""
         if not self.eligible:

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
-from . import _counted, _memo, _splice, _steady, gpus
+from . import _memo, _splice, _steady, gpus
 from ._results import _cache_key, _lookup, _store, clear_cache
 from ._step_peaks import _NO_RESERVED, _reserved, _step_of, _step_peaks
 from ._torch_compat import known_values
@@ -467,25 +467,10 @@ def _measure(
                 tagger = _memo.Tagger(lists) if lists else None
                 if tagger is not None:
                     tagger.install(tracker, runner.optimizer)
-                counted: list = []  # the steady step's ops, as memkit.steptime counts them
                 # a probe's steady forward and backward: the first step's, on other storages (memkit._steady)
                 derived = _steady.Derived(tracker, tagger, runner, parallel=parallel)
-                both = count_ops and tracked == 2 and derived.eligible  # counted over both steps (memkit._steady)
                 try:
-                    with _counted.counting_step(tracker, tagger, runner, host, label, both, derived) as counted_both:
-                        for i in range(n - tracked, n):
-                            bar.set_postfix_str(f"step {i + 1}/{n} (tracked)")
-                            starts.append(len(tracker.log.rows))
-                            with _counted.counting_step(
-                                tracker, tagger, runner, host, label, count_ops and not both and i == n - 1
-                            ) as c:
-                                if tracked == 2:
-                                    derived.run(i - (n - tracked), kwargs)
-                                else:
-                                    runner.run(kwargs)
-                            counted += c
-                            bar.update()
-                    counted += counted_both
+                    counted = derived.run_steps(kwargs, n, tracked, starts, bar, host, label, count_ops)
                 finally:
                     if tagger is not None:
                         tagger.remove()
