@@ -353,6 +353,18 @@ def test_every_registry_entry_gets_a_panel_that_builds_its_config(name):
         assert panel.choice.value == spec.choices[0]
 
 
+def test_no_panel_shows_a_control_twice():
+    # issue 32: each panel showed a "value" menu beside the fields it repeats (checkpointing: "value" and "pattern")
+    pg = memkit.Playground(preset="pixart", estimate_size="tiny", repeats=0, figures="widget")
+    for name, panel in pg.panels.items():
+        shown = [w for w in panel.view.children if hasattr(w, "description") and w.description]
+        labels = [w.description for w in shown]
+        assert len(labels) == len(set(labels)), (name, labels)
+        assert "value" not in labels, name
+        assert (panel.choice in shown) is (not panel.widgets), name  # the whole-value menu only without fields
+        assert labels[0] == name and all(f in labels for f in panel.widgets), (name, labels)
+
+
 def test_the_fsdp_panel_shards_the_estimate_and_run_refuses_it():
     pg = memkit.Playground(preset="pixart", estimate_size="tiny", repeats=0, figures="widget")
     panel = pg.panels["fsdp"]

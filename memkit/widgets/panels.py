@@ -59,7 +59,9 @@ def field_widget(field: Field, value: Any) -> widgets.ValueWidget:
 class OptimizationPanel:
     """The widgets of one optimization, kept in step with its settings.
 
-    ``view`` is the panel to lay out; ``enabled``, ``choice`` and ``widgets[field]`` are its controls.
+    ``view`` is the panel to lay out; ``enabled``, ``choice`` and ``widgets[field]`` are its controls (``choice``, the
+    menu of whole values such as ``"every:2@selective"``, is laid out only for an optimization without fields; it
+    stays in step with the fields either way, for code and "Fit to GPU" that set a whole value).
     """
 
     def __init__(self, settings: OptimizationSettings) -> None:
@@ -92,7 +94,10 @@ class OptimizationPanel:
         for name, w in self.widgets.items():
             w.observe(lambda change, name=name: self._on_field(name, change["new"]), "value")
         box = widgets.Layout(border="1px solid #ddd", padding="6px", width="auto")
-        self.view = widgets.VBox([self.enabled, summary, self.choice, *self.widgets.values(), self.status], layout=box)
+        # the menu of whole values is shown only where there are no fields: beside them it repeats what they say
+        # (checkpointing's "every:2" is its pattern field), and the status line below sums them up
+        menu = [] if self.widgets else [self.choice]
+        self.view = widgets.VBox([self.enabled, summary, *menu, *self.widgets.values(), self.status], layout=box)
         self._refresh_status()
 
     def _on_enabled(self, change) -> None:
