@@ -12,14 +12,16 @@ estimate runs the forward and backward once:
   (:func:`memkit.step.update`: the optimizer's step, ``zero_grad``, the handle's ``after_step``);
 - :meth:`Derived.rewrite` replaces the events of those empty gradients by the first step's forward and backward
   events, on fresh storage keys, their gradients on the keys the update read; what the first step freed at its very
-  end (the loss) is freed at the steady step's end.
+  end (the loss) is freed at the steady step's end. A parameter whose storage the forward replaces (diffusers'
+  layerwise casting, ``Quantize("fp8-storage")``: cast up before each module, stored again in fp8 after it) frees,
+  in the steady step, the storage the first step left it, and its new storage is the copy's from then on.
 
 The probe's own two-step run is the check: ``estimate(..., memoize=False)`` runs both steps whole, and the spliced
 timeline is byte-equal to it on every preset and memoized setting (``tests/test_memo.py``). The derivation is used
 only where it holds by construction: a plain optimizer (no fused backward, no gradient scaler, on the device, no
-FSDP), gradients that start each step as None, nothing freed in the forward and backward that the step did not make,
-and, where the estimate counts the steady step's ops (``count_ops``), the first step's forward and backward are
-counted with the steady update. Elsewhere the second step runs whole.
+FSDP), gradients that start each step as None, nothing freed in the forward and backward that the step did not make
+(but a replaced parameter's storage, once); where the estimate counts the steady step's ops (``count_ops``), the
+first step's forward and backward are counted with the steady update. Elsewhere the second step runs whole.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class Derived:
         self._first: tuple[int, int] | None = None  # (step 1's first row, the row after its backward)
         self._grads: list[tuple[torch.nn.Parameter, int, tuple, tuple, torch.dtype, torch.device, Any]] = []
         self._marks: tuple[int, int, int] | None = None
+        self._storages: dict[torch.nn.Parameter, int] = {}
+        self._ended: dict[torch.nn.Parameter, int] = {}
+        self._moved: dict[int, int] = {}  # a parameter's storage before step 1 -> its storage after the backward
 
     # ---- running --------------------------------------------------------------------------------------------
     def run_steps(self, inputs, n: int, tracked: int, starts: list[int], bar, host: dict, label: str, count_ops: bool):
@@ -93,6 +98,7 @@ class Derived:
             self.runner.run(inputs)
         elif index == 0:
             start = len(self.tracker.log.rows)
+            self._storages = _parameter_storages(self.runner.model)
             self.runner.run(inputs, on_grads=self._backward_done)
             if self._first is not None:
                 self._first = (start, self._first[1])
@@ -131,6 +137,7 @@ class Derived:
             seen.add(key)
             grads.append((p, key, tuple(g.shape), tuple(g.stride()), g.dtype, g.device, self.tagger.owner.get(key)))
         self._grads = grads
+        self._ended = _parameter_storages(model)  # a replaced parameter's storage (see _can_derive)
         self._first = (-1, rows)
 
     def _can_derive(self) -> bool:
@@ -139,6 +146,13 @@ class Derived:
         start, end = self._first
         rows = self.tracker.log.rows
         live: dict[int, int] = {}
+        # a parameter's storage from before the step, freed in it: the parameter was given a new one (diffusers'
+        # layerwise casting: module.to() before each forward, the storage dtype's copy made again after it), which
+        # the steady step frees instead (keys are addresses: the new storage may have the old one's)
+        owner_of = {key: p for p, key in self._storages.items()}
+        if len(owner_of) != len(self._storages):
+            return False  # parameters sharing a storage
+        freed: set[int] = set()
         for i in range(start, end):
             row = rows[i]
             key = row[8]
@@ -146,13 +160,21 @@ class Derived:
                 continue
             if row[1] == ALLOC:
                 live[key] = i
-            elif live.pop(key, None) is None:
-                return False  # the forward or backward freed a storage from before the step
+            elif key in live:
+                del live[key]
+            elif key in owner_of and key not in freed:
+                freed.add(key)
+            else:
+                return False  # the forward or backward freed a storage from before the step, not a parameter's
         grads = {key for _, key, *_ in self._grads}
         if not grads <= live.keys():
             return False  # a gradient the backward did not make
+        self._moved = {key: self._ended.get(owner_of[key]) for key in freed}
+        successors = set(self._moved.values())
+        if not successors <= live.keys() or len(successors) != len(freed):
+            return False  # a replaced parameter whose new storage the step did not make, or shares
         # what else the forward and backward left (the loss) must be freed at the very end of step 1
-        left = [key for key in live if key not in grads]
+        left = [key for key in live if key not in grads and key not in successors]
         tail = rows[len(rows) - len(left) :] if left else []
         if sorted(r[8] for r in tail) != sorted(left) or any(r[1] != FREE for r in tail):
             return False
@@ -193,9 +215,11 @@ class Derived:
         start, end = self._first
         m0, m1, m_end = self._marks
         grad_of = {g[1]: new for g, new in zip(self._grads, self._made, strict=True)}
-        final = {}  # a gradient's key -> the row that made the storage it is at the backward's end
+        moved = self._moved
+        ended = grad_of.keys() | moved.values()
+        final = {}  # a gradient's (a replaced parameter's) key -> the row that made its storage at the backward's end
         for i in range(start, end):
-            if rows[i][8] in grad_of and rows[i][1] == ALLOC:
+            if rows[i][8] in ended and rows[i][1] == ALLOC:
                 final[rows[i][8]] = i
         fresh = _FRESH
         mapped: dict[int, int] = {}
@@ -206,14 +230,17 @@ class Derived:
             key = r[8]
             if key != -1:
                 if r[1] == ALLOC:
-                    if final.get(key) == i:
+                    if key in grad_of and final.get(key) == i:
                         new = grad_of[key]
                     else:
                         fresh += 1
                         new = fresh
                     mapped[key] = new
-                else:
+                elif key in mapped:
                     new = mapped.pop(key)
+                else:  # a parameter's storage from before the step: the steady step frees the first step's copy,
+                    new = moved[key]  # under the category the tracker gave that copy
+                    r = (*r[:3], rows[final[new]][3], *r[4:])
                 r = (*r[:8], new)
             copies.append(r)
             tags.append(tagger.tags[i])
@@ -224,7 +251,10 @@ class Derived:
         n = self._left
         ends = [(*r[:8], mapped[r[8]]) for r in rows[m0 - n : m0]]
         end_epoch = later[m_end - m1 - 1] if m_end > m1 else (epochs[-1] if epochs else base)
-        new_rows = rows[:m0] + copies + rows[m1:m_end] + ends + rows[m_end:]
+        # a replaced parameter's storage is, from the steady step on, its copy's (the step's own events name it so)
+        renamed = {successor: mapped[successor] for successor in moved.values()}
+        update = [(*r[:8], renamed[r[8]]) if r[8] in renamed else r for r in rows[m1:]]
+        new_rows = rows[:m0] + copies + update[: m_end - m1] + ends + update[m_end - m1 :]
         new_tags = tagger.tags[:m0] + tags + tagger.tags[m1:m_end] + tagger.tags[m0 - n : m0] + tagger.tags[m_end:]
         new_epochs = tagger.epochs[:m0] + epochs + later[: m_end - m1] + [end_epoch] * n + later[m_end - m1 :]
         for column, interner, (lo, hi) in zip((6, 7), (log.ops, log.frames), self._interned, strict=True):
@@ -238,6 +268,10 @@ class Derived:
         list.__init__(log.rows, new_rows)  # the tagger's row list keeps its type (it tags rows appended later)
         tagger.tags[:] = new_tags
         tagger.epochs[:] = new_epochs
+
+
+def _parameter_storages(model: torch.nn.Module) -> dict[torch.nn.Parameter, int]:
+    return {p: p.untyped_storage()._cdata for p in model.parameters()}
 
 
 def _span(t: torch.Tensor) -> int:

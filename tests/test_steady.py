@@ -22,6 +22,7 @@ from tests.test_memo import SETTINGS, assert_same, both, deep
         ("lora", True),
         ("grad-accum-2", True),  # both micro-batches' forward and backward repeat
         ("nf4-lora", True),
+        ("fp8-storage-lora", True),  # each forward replaces the fp8 weights' storages (layerwise casting)
         ("fused-backward", False),  # the update runs inside the backward
         ("sgd-3-steps", False),  # steps=3 measures the last step alone
         ("first-step", False),
@@ -30,7 +31,8 @@ from tests.test_memo import SETTINGS, assert_same, both, deep
     ],
 )
 def test_which_settings_derive_the_steady_step(setting, derived):
-    tl = memkit.estimate(deep("wan"), progress=False, **SETTINGS.get(setting, {}))
+    preset = "flux" if setting == "fp8-storage-lora" else "wan"  # (the splice of Wan's fp8 probe: test_memo.py)
+    tl = memkit.estimate(deep(preset), progress=False, **SETTINGS.get(setting, {}))
     assert tl.meta["memoized"], tl.meta["memo"]
     assert tl.meta["steady_derived"] is derived
     assert ("first step's" in tl.meta["memo"]) is derived
@@ -66,13 +68,15 @@ class _Block(nn.Module):
 
 class _Toy(nn.Module):
     """Six identical blocks; ``remembers``: the first forward makes a tensor every later step keeps (a lazily built
-    table); ``drops``: the first forward frees a tensor made before the step (a buffer the model lets go)."""
+    table); ``drops``: the first forward frees a tensor made before the step (a buffer the model lets go); ``recasts``:
+    each forward gives a frozen parameter a new storage (as diffusers' layerwise casting stores it again)."""
 
-    def __init__(self, remembers=False, drops=False):
+    def __init__(self, remembers=False, drops=False, recasts=False):
         super().__init__()
         self.proj_in, self.proj_out = nn.Linear(64, 64), nn.Linear(64, 64)
         self.blocks = nn.ModuleList(_Block() for _ in range(6))
-        self.remembers, self.drops = remembers, drops
+        self.remembers, self.drops, self.recasts = remembers, drops, recasts
+        self.frozen = nn.Parameter(torch.ones(4096), requires_grad=False)
         self.table = None
         self.register_buffer("scratch", torch.ones(4096) if drops else None)
 
@@ -81,6 +85,8 @@ class _Toy(nn.Module):
             self.table = torch.ones(8192)
         if self.drops:
             self.scratch = None
+        if self.recasts:
+            self.frozen.data = self.frozen.data.clone()
         x = self.proj_in(x)
         for block in self.blocks:
             x = block(x)
@@ -91,14 +97,14 @@ def _inputs(model):
     return {"x": torch.randn(8, 64)}
 
 
-@pytest.mark.parametrize("kind", ["plain", "remembers", "drops"])
+@pytest.mark.parametrize("kind", ["plain", "recasts", "remembers", "drops"])
 def test_a_forward_that_does_not_repeat_runs_the_steady_step(kind):
     def build():
-        return _Toy(remembers=kind == "remembers", drops=kind == "drops")
+        return _Toy(remembers=kind == "remembers", drops=kind == "drops", recasts=kind == "recasts")
 
     memo, slow = both(build, inputs=_inputs)
     assert_same(memo, slow)  # the same events either way
-    # the plain model derives its steady step; the others' first forward does what the second does not
-    assert memo.meta["steady_derived"] is (kind == "plain")
+    # the plain and recast models derive their steady step; the others' first forward does what the second does not
+    assert memo.meta["steady_derived"] is (kind in ("plain", "recasts"))
     if kind == "remembers":  # the table is made in the first step only
         assert memo.meta["first_step_peak_bytes"] > memo.meta["steady_peak_bytes"] - 32768
