@@ -277,6 +277,7 @@ def diffusers_classes() -> list[ClassSupport]:
 
 
 @cache
+@cache  # a preset's released config does not change in a process: `memkit models` counts ~40 of them
 def preset_parameters(name: str) -> int:
     """The parameter count of a preset at full size (the released model), counted on the meta device: no memory.
 
