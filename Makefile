@@ -47,13 +47,13 @@ NOTEBOOKS_FIRST := $(addprefix notebooks/,09_planning.ipynb 03_checkpointing.ipy
 	08_finetuning.ipynb 01_memory_timelines.ipynb 07_fsdp.ipynb 02_ema.ipynb 06_playground.ipynb)
 NOTEBOOKS_LONGEST_FIRST := $(NOTEBOOKS_FIRST) $(filter-out $(NOTEBOOKS_FIRST),$(sort $(wildcard notebooks/*.ipynb)))
 
-# .venv-colab is created in the background (at the lowest CPU priority: the tests come first) while the unit tests run (about 4 minutes, mostly downloads and unpacking:
+# .venv-colab is created in the background while the unit tests run (about 4 minutes, mostly downloads and unpacking:
 # in sequence it would take CI past 20 minutes); its log is .venv-colab.log. No coverage here: coverage's tracer
 # makes memkit's Python-heavy tracking ~1.7x slower (one full-size estimate test: 28 s -> 48 s), which would take
 # CI past 20 minutes; `make coverage` measures it.
 test: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
-	nice -n 19 $(MAKE) --no-print-directory $(COLAB_STAMP) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
+	$(MAKE) --no-print-directory $(COLAB_STAMP) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not extended" -n $(TEST_WORKERS) \
 		--dist worksteal --durations=15 \
 	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax -n $(TEST_WORKERS) --dist loadfile \

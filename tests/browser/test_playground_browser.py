@@ -323,7 +323,10 @@ def _check_the_app(page, tmp_path: Path) -> None:
     assert app.locator(".js-plotly-plot").count() >= 2  # the live figure and the comparison figure render
     panel = app.locator(".widget-vbox").filter(has=page.get_by_role("checkbox", name="checkpointing")).last
     assert panel.get_by_role("checkbox", name="checkpointing").is_checked()  # as the notebook left it
-    panel.locator("select").first.select_option(PATTERN)
+    # the pattern field (a combobox: a text input with the registry's patterns as suggestions), typed as a person does
+    pattern = panel.locator("input[list]").first
+    pattern.fill(PATTERN)
+    pattern.press("Enter")
     # The kernel got the value: the panel's status line shows the config the state now builds.
     panel.get_by_text(f"→ checkpointing:{PATTERN}").wait_for(timeout=30_000)
 
