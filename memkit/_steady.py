@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from . import _counted
+from .memory._fake_dispatch import extent
 from .memory.events import ALLOC, FREE
 from .step import update
 
@@ -67,14 +69,16 @@ class Derived:
         self._storages: dict[torch.nn.Parameter, int] = {}
         self._ended: dict[torch.nn.Parameter, int] = {}
         self._moved: dict[int, int] = {}  # a parameter's storage before step 1 -> its storage after the backward
+        self._left = 0  # what step 1's forward and backward left that step 1 frees at its end (the loss)
+        # set by _steady: the keys of the empty gradients, the rows around them, the op and stack tables' sizes
+        self._made: list[int] = []
+        self._interned: list[tuple[int, int]] = []
 
     # ---- running --------------------------------------------------------------------------------------------
     def run_steps(self, inputs, n: int, tracked: int, starts: list[int], bar, host: dict, label: str, count_ops: bool):
         """Run an estimate's ``tracked`` last steps of ``n`` (appending where each starts to ``starts``, advancing
         ``bar``); returns the steady step's op counts as a list of one :class:`memkit.steptime.OpCounts` where
         ``count_ops`` (over both steps where the steady one is derived: :mod:`memkit._counted`), else empty."""
-        from . import _counted
-
         tracker, tagger, runner = self.tracker, self.tagger, self.runner
         counted: list = []
         both = count_ops and tracked == 2 and self.eligible
@@ -131,7 +135,7 @@ class Derived:
                 and not isinstance(g, torch._subclasses.FakeTensor)
                 or key in seen
                 or g.storage_offset() != 0
-                or s.nbytes() != _span(g)
+                or s.nbytes() != extent(g.shape, g.stride()) * g.element_size()
             ):
                 return  # a gradient that is a view, shares storage or is a subclass: the second step runs whole
             seen.add(key)
@@ -272,10 +276,3 @@ class Derived:
 
 def _parameter_storages(model: torch.nn.Module) -> dict[torch.nn.Parameter, int]:
     return {p: p.untyped_storage()._cdata for p in model.parameters()}
-
-
-def _span(t: torch.Tensor) -> int:
-    """The bytes a tensor's shape and strides reach from its storage's start (offset 0)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()

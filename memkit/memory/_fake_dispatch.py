@@ -201,11 +201,15 @@ def _entry_of(kind, out, args, tensors, before):
             return None
         storages.add(s._cdata)
         shape, stride = tuple(t.shape), t.stride()
-        extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else 0
-        if s.nbytes() != extent * t.element_size():
+        if s.nbytes() != extent(shape, stride) * t.element_size():
             return None  # a slice of a larger buffer: its storage is not what empty_strided makes
         infos.append((shape, stride, t.dtype, t.device, t.requires_grad))
     return ("new", (infos, container))
+
+
+def extent(shape, stride) -> int:
+    """The elements a tensor of ``shape`` and ``stride`` reaches from its storage offset (0 when it is empty)."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else 0
 
 
 def _fresh(mode, info) -> FakeTensor:
