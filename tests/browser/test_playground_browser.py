@@ -25,14 +25,6 @@ from pathlib import Path
 import pytest
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "06_playground.ipynb"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SETTINGS = {
     # A kernel starts with the notebook (no kernel dialog); every cell stays in the page (no windowing), so
     # the whole notebook can be checked for overflow.
@@ -44,13 +36,6 @@ SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
 }
 PATTERN = "every:2"  # the value the test picks in the checkpointing panel (the notebook leaves "all")
-
-
-def _chromium() -> str | None:
-    for path in (os.environ.get("MEMKIT_CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser")):
-        if path and os.access(path, os.X_OK):
-            return path
-    return None
 
 
 def _free_port() -> int:
@@ -163,20 +148,6 @@ PLOTS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => 
 
 def _increases(counts: list[int]) -> int:
     return sum(1 for a, b in zip(counts, counts[1:], strict=False) if b > a)
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
-    path = _chromium()
-    if path is None:
-        pytest.skip("no Chromium found (Debian: apt-get install chromium; or set MEMKIT_CHROMIUM)")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @pytest.fixture
