@@ -4,11 +4,12 @@ No torch, no widgets: every function takes plain data and returns a ``go.Figure`
 ``fig.show()`` (set ``PLOTLY_RENDERER=png`` for notebooks stored with their outputs), a widget wraps in a
 ``FigureWidget``, and a report writes with ``fig.write_html``. One colour per memory category
 (:data:`CATEGORY_COLORS`) is shared by every memkit figure. A plan's frontier (step time against peak reserved
-memory): :func:`plan_figure`.
+memory): :func:`plan_figure`. The process's resident memory sampled beside a step: :func:`rss_figure`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from plotly.subplots import make_subplots
 from ._plan_figure import plan_figure
 from .memory.events import CATEGORIES, PHASES
 from .memory.timeline import Timeline
-from .units import Unit, unit_scale
+from .units import Unit, best_unit, unit_scale
 
 __all__ = [
     "CATEGORY_COLORS",
@@ -27,6 +28,7 @@ __all__ = [
     "comparison_figure",
     "decimate",
     "plan_figure",
+    "rss_figure",
     "segments_figure",
     "timeline_figure",
 ]
@@ -58,8 +60,15 @@ PHASE_COLORS: dict[str, str] = {
 
 _VARIANT_COLORS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
 # The legend below the plot, across: beside it, it took width from the plot and scrolled inside it when tall
-_LEGEND: dict[str, Any] = {"groupclick": "toggleitem", "orientation": "h", "yanchor": "top", "y": -0.12, "x": 0}
-_LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": _LEGEND, "margin": {"r": 20}}
+_LEGEND: dict[str, Any] = {
+    "groupclick": "toggleitem",
+    "orientation": "h",
+    "yref": "container",
+    "yanchor": "bottom",
+    "y": 0,
+    "x": 0,
+}
+_LAYOUT: dict[str, Any] = {"template": "plotly_white", "legend": _LEGEND, "margin": {"r": 20, "t": 80}}
 _MAX_OOMS = 20  # out-of-memory lines drawn at most
 _MAX_PHASE_SPANS = 200  # beyond this, shading is binned: more rectangles than pixels only bloat the figure
 _STATE_COLORS = {  # the caching allocator's block states (segments_figure)
@@ -72,6 +81,11 @@ _STATE_COLORS = {  # the caching allocator's block states (segments_figure)
 
 def _fmt(value: float, unit: str) -> str:
     return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
+
+
+def _short(value: float, unit: str) -> str:
+    """Three significant digits (1.25 MiB, 61.6 GiB, 1,282 KiB): a label over a bar a fifth of a figure wide."""
+    return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
 
 
 def _step(x: np.ndarray, y: np.ndarray, name: str, unit: str, **kwargs: Any) -> go.Scatter:
@@ -246,9 +260,12 @@ def timeline_figure(
         at = f"at event {t_peak:.0f}" if events else f"at {t_peak:.4g} s"
         if panel.peak_index < 0:  # no event holds this peak: no time or index would be true
             at = f"its baseline (live before {before}): never rose above it"
-        note = f"peak {_fmt(peak / div, unit)} ({peak:,} B)<br>{at}"
+        # a peak that the figure's unit would show as 0.00 (a tiny step judged against a large card) in its own
+        shown_in = unit if peak >= div / 100 or not peak else best_unit(peak)
+        note = f"peak {_fmt(peak / unit_scale(shown_in), shown_in)} ({peak:,} B)<br>{at}"
+        ax = -40 if t_peak > (t_start + t_end) / 2 else 40  # toward the middle: not cut at the figure's edge
         fig.add_annotation(
-            x=t_peak, y=peak / div, text=note, arrowhead=2, ax=40, ay=-36, bgcolor="rgba(255,255,255,0.85)", **where
+            x=t_peak, y=peak / div, text=note, arrowhead=2, ax=ax, ay=-36, bgcolor="rgba(255,255,255,0.85)", **where
         )
     if timeline.meta.get("usable_bytes") and not split:
         _capacity(fig, timeline.meta, (t_start, t_start + 1.0 if instant else t_end), div, unit)
@@ -258,8 +275,9 @@ def timeline_figure(
         rect = {"type": "rect", "xref": "x", "yref": "paper", "y0": 0, "y1": 1, "layer": "below", "line_width": 0}
         shapes = []
         for i, (name, t0, t1) in enumerate(spans):
-            # The stacked area reverses the legend: higher ranks list first (forward, backward, ...).
-            legend = {"name": name, "legendgroup": "phase", "legendrank": 100 - PHASES.index(name)}
+            # First in the legend, in the order of PHASES. A group each: a horizontal legend stacks a group's
+            # entries in a column of their own (four rows, in a short figure).
+            legend = {"name": name, "legendgroup": f"phase {name}", "legendrank": PHASES.index(name)}
             legend["showlegend"] = first[name] == i
             shapes.append({**rect, **legend, "x0": t0, "x1": t1, "fillcolor": PHASE_COLORS[name]})
         fig.update_layout(shapes=shapes)  # one update: add_shape per span is quadratic
@@ -271,10 +289,11 @@ def timeline_figure(
         fig.add_vline(x=oom["time"], line=line, annotation_text=text, annotation_font_color="#C00000", **where)
     starts = timeline.meta.get("step_starts") or []
     if len(starts) == 2 and not split and 0 < starts[1] < len(timeline):  # an estimate's first and steady step
-        line = {"color": "#555", "width": 1, "dash": "dash"}
         at = float(timeline.time[starts[1]])
-        fig.add_vline(x=at, line=line, annotation_text="steady step →", annotation_position="top right")
-        fig.add_vline(x=t_start, line_width=0, annotation_text="first step →", annotation_position="top right")
+        fig.add_vline(x=at, line={"color": "#555", "width": 1, "dash": "dash"})
+        # named just above the plot, where no line or label of the data can be (the usable bytes' label was)
+        for x, text in ((t_start, "first step →"), (at, "steady step →")):
+            fig.add_annotation(x=x, y=1, yref="paper", text=text, showarrow=False, xanchor="left", yanchor="bottom")
     title = title or timeline.meta.get("label") or "Memory over the step"
     if split and events:  # untimed traces are laid end to end: their sum is no moment's
         title += f" ({len(devices)} devices, each on its own; their traces have no times)"
@@ -302,7 +321,8 @@ def _capacity(fig: go.Figure, meta: dict, ends: tuple[float, float], div: int, u
     hover = f"{_fmt(low / div, unit)}{spread}<extra>{name}</extra>"
     fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines", line=line, hovertemplate=hover))
     text = f"{name} {_fmt(low / div, unit)}"
-    fig.add_annotation(x=ends[1], y=low / div, text=text, showarrow=False, xanchor="right", yanchor="bottom",
+    # at the left end, above the line: a step's peak is rarely at its very start, so its label is seldom there
+    fig.add_annotation(x=ends[0], y=low / div, text=text, showarrow=False, xanchor="left", yanchor="bottom",
                        font={"color": line["color"], "size": 11})  # fmt: skip
 
 
@@ -399,12 +419,13 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
     baseline = getattr(comparison, "baseline", names[0])
     peaks = [tl.peak_by_category() for _, tl, _ in rows]
     base_peak = sum(peaks[names.index(baseline)].values()) if baseline in names else sum(peaks[0].values())
+    bars = min(0.55, 0.3 + 0.04 * len(rows))  # the bars' share of the width: each label needs ~70 px
     fig = make_subplots(
         rows=1,
         cols=2,
-        column_widths=[0.42, 0.58],
+        column_widths=[bars, 1 - bars],
         horizontal_spacing=0.1,
-        subplot_titles=(f"peak by category ({unit})", f"live memory over the step ({unit})"),
+        subplot_titles=(f"peak by category ({unit}), change vs baseline", f"live memory over the step ({unit})"),
     )
     for cat in CATEGORIES:
         values = np.array([p[cat] for p in peaks], dtype=np.float64) / div
@@ -416,8 +437,9 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
             fig.add_trace(bar, 1, 1)
     for (name, _, passed), peak in zip(rows, peaks, strict=True):
         total = sum(peak.values())
-        change = "baseline" if name == baseline or not base_peak else f"{(total / base_peak - 1):+.1%}<br>vs baseline"
-        text = f"<b>{_fmt(total / div, unit)}</b><br>{change}" + ("" if passed else "<br>✗ outside tolerance")
+        # Two short lines over a bar as narrow as a fifth of a small figure; what "✗" means is in the title.
+        change = "baseline" if name == baseline or not base_peak else f"{(total / base_peak - 1):+.1%}"
+        text = f"<b>{_short(total / div, unit)}</b><br>{change}" + ("" if passed else " ✗")
         fig.add_annotation(x=name, y=total / div, text=text, showarrow=False, yanchor="bottom", row=1, col=1)
     for i, (name, tl, _) in enumerate(rows):
         x, _, by_cat = _series(tl, max_points)
@@ -429,6 +451,8 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
         fig.add_trace(_step(xn, sum(by_cat.values()) / div, name, unit, line=line, legendrank=200 + i, **group), 1, 2)
     mode = getattr(comparison, "mode", None)
     title = f"Memory: {baseline!r} vs variants" + (f" ({mode})" if mode else "")
+    if not all(passed for _, _, passed in rows):
+        title += "; ✗: outputs or gradients outside tolerance"
     fig.update_layout(title=title, barmode="stack", hovermode="closest", legend_traceorder="normal", **_LAYOUT)
     top = max(sum(p.values()) for p in peaks) / div
     fig.update_yaxes(title_text=unit, range=[0, 1.25 * top or 1], row=1, col=1)  # room for the annotations
@@ -468,4 +492,34 @@ def categories_figure(timeline: Timeline, *, unit: Unit = "MiB") -> go.Figure:
         height=max(220, 60 + 40 * len(peak)),
         **_LAYOUT,
     )
+    return fig
+
+
+def rss_figure(samples: Mapping[str, Any], *, unit: Unit = "MiB", title: str | None = None) -> go.Figure:
+    """The process's RSS over time, one panel per run (``name -> RSSSamples``, or anything with ``times`` in seconds
+    and ``bytes``), on one memory axis: levels compare across panels, while each keeps its own time axis, so a run
+    ten times shorter than another is not squeezed into a tenth of the width. The subtitle gives each run's peak.
+
+    Example:
+        >>> with memkit.memory.sample_rss() as rss:
+        ...     model(**inputs)
+        >>> memkit.plots.rss_figure({"off": rss}).show()
+    """
+    div = unit_scale(unit)
+    if not samples:
+        raise ValueError("samples is empty: rss_figure needs one RSSSamples (or times and bytes) per run")
+    names = list(samples)
+    peaks = [max(samples[n].bytes, default=0) / div for n in names]
+    titles = [f"{n}: peak {_fmt(p, unit)}" for n, p in zip(names, peaks, strict=True)]
+    height = 120 + 170 * len(names)
+    # ~70 px between panels for one's time ticks and the next one's title, out of the ~height-180 px of plotting
+    fig = make_subplots(rows=len(names), cols=1, subplot_titles=titles, vertical_spacing=70 / (height - 180))
+    for row, name in enumerate(names, 1):
+        s = samples[name]
+        color = _VARIANT_COLORS[(row - 1) % len(_VARIANT_COLORS)]
+        trace = _step(np.asarray(s.times), np.asarray(s.bytes) / div, name, unit, line={"color": color, "width": 1.5})
+        fig.add_trace(trace.update(showlegend=False), row=row, col=1)
+        fig.update_yaxes(title_text=unit, matches="y", row=row, col=1)  # one memory scale for every run
+    fig.update_xaxes(title_text="time (s)", row=len(names), col=1)
+    fig.update_layout(title=title or "Process RSS", height=height, hovermode="x", **_LAYOUT)
     return fig

@@ -174,8 +174,9 @@ def test_comparison_figure_bars_are_the_peaks(tracked):
     assert totals.tolist() == [wide.peak_bytes / MiB, narrow.peak_bytes / MiB]
     notes = {a.x: a.text for a in fig.layout.annotations if a.x in results}
     change = narrow.peak_bytes / wide.peak_bytes - 1
-    assert f"{change:+.1%}" in notes["narrow"] and "outside tolerance" in notes["narrow"]
-    assert "baseline" in notes["baseline"] and "tolerance" not in notes["baseline"]
+    assert f"{change:+.1%}" in notes["narrow"] and "✗" in notes["narrow"]
+    assert "baseline" in notes["baseline"] and "✗" not in notes["baseline"]
+    assert "✗: outputs or gradients outside tolerance" in fig.layout.title.text  # what the mark means
     lines = {tr.name: tr for tr in fig.data if tr.type == "scatter"}
     assert list(lines) == ["baseline", "narrow"]
     for name, tl in zip(lines, tracked, strict=True):
@@ -328,3 +329,26 @@ def test_plan_figure_draws_each_timed_configuration_the_frontier_the_gpu_and_the
 def test_plan_figure_needs_step_times_and_says_how_to_get_them():
     with pytest.raises(ValueError, match=r"plan with step_time=True \(the default; memkit plan without --no-time\)"):
         plots.plan_figure(a_plan([(None, 2**30), (None, 2**31)]))
+
+
+def test_rss_figure_gives_each_run_a_panel_on_one_memory_scale():
+    from memkit.memory import RSSSamples
+
+    runs = {"off": RSSSamples([0.0, 1.0, 3.5], [500 * MiB, 560 * MiB, 557 * MiB]),
+            "disk": RSSSamples([0.0, 0.1, 0.3], [420 * MiB, 440 * MiB, 430 * MiB])}  # fmt: skip
+    fig = plots.rss_figure(runs)
+    assert [list(tr.y) for tr in fig.data] == [[500, 560, 557], [420, 440, 430]]
+    assert [tr.xaxis for tr in fig.data] == ["x", "x2"]  # a time axis each: the short run is not squeezed
+    assert fig.layout.yaxis2.matches == "y"  # one memory scale
+    assert [a.text for a in fig.layout.annotations] == ["off: peak 560.00 MiB", "disk: peak 440.00 MiB"]
+    assert fig.layout.height > 400
+    with pytest.raises(ValueError, match="samples is empty"):
+        plots.rss_figure({})
+
+
+def test_a_peak_too_small_for_the_figure_s_unit_is_noted_in_its_own():
+    columns = {"time": [0.0, 1.0], "action": [0, 1], "bytes": [3 * MiB] * 2, "category": [7] * 2, "phase": [0] * 2}
+    tl = Timeline(columns=columns | {"device": [0, 0], "storage": [1, 1]}, devices=["cpu"])
+    note = plots.timeline_figure(tl, unit="GiB").layout.annotations[0].text  # 0.00 GiB, judged against a card
+    assert note.startswith(f"peak 3.00 MiB ({3 * MiB:,} B)")
+    assert plots.timeline_figure(tl, unit="KiB").layout.annotations[0].text.startswith("peak 3,072.00 KiB")

@@ -46,6 +46,8 @@ STEP_CHOICES = [("first + steady", None), ("first only", 1), ("step 2", 2), ("st
 ALLOC_CONFS = ["expandable_segments:True", "max_split_size_mb:512", "garbage_collection_threshold:0.6"]
 _VERDICT_COLORS = {"fits": "#2a7", "does not fit": "#c33", "within the spread": "#b80"}
 _GRID = "repeat(auto-fill, minmax(260px, 1fr))"
+# The figures' heights (px; their width is the output's): the timeline's legend takes 2-3 rows below the time axis
+LIVE_HEIGHT, RESULT_HEIGHT = 400, 420
 _TABLE_CSS = (
     "<style>.memkit-table table{border-collapse:collapse;font-size:0.85em}"
     ".memkit-table th,.memkit-table td{border:1px solid #ddd;padding:2px 6px;text-align:right;white-space:normal}"
@@ -93,8 +95,8 @@ class Playground:
             raise ValueError(f"figures must be 'auto', 'widget' or 'display', got {figures!r}")
         self.state = PlaygroundState(registry=registry, **settings)
         self.figure_mode: FigureMode = figure_mode() if figures == "auto" else figures
-        self.live = make_figure(self.figure_mode, height=360)
-        self.result_figure = make_figure(self.figure_mode, height=420)
+        self.live = make_figure(self.figure_mode, height=LIVE_HEIGHT)
+        self.result_figure = make_figure(self.figure_mode, height=RESULT_HEIGHT)
         self.last_result: RunResult | None = None
         self.last_fit: FitResult | None = None
         """What the last Fit to GPU found (:class:`~memkit.widgets.fit.FitResult`)."""
