@@ -4,10 +4,10 @@ The figures are the ones the notebooks and the Playground show, built from small
 an estimate judged against a GPU, a tracked comparison, a plan, RSS samples): a timeline, a comparison (the
 notebooks' four variants and the Playground's two), the categories at the peak, the allocator's segments, a plan's
 frontier and the RSS curves. Each is drawn as a stored notebook picture is (the figure's own height, else kaleido's
-500 px, at a fixed width; 700 px is kaleido's default width) and, for the Playground's two, as the app draws it live (:func:`memkit.widgets.figures._fit`:
-the container's width, the app's height). From the page's DOM (``getBoundingClientRect``; tick labels as their
-rotated boxes) the test reads the boxes of the title, the axis titles, the legend, each annotation and each tick
-label, and fails when
+500 px, at a fixed width; 700 px is kaleido's default width) and, for the Playground's two, as the app draws it
+live (:func:`memkit.widgets.figures._fit`: the container's width, the app's height). From the page's DOM
+(``getBoundingClientRect``; tick labels as their rotated boxes) the test reads the boxes of the title, the axis
+titles, the legend, each annotation and each tick label, and fails when
 
 - two of title / axis titles / legend / annotations overlap, or one of them covers a tick label
   (more than ``TOLERANCE`` px each way);
@@ -241,7 +241,7 @@ def _corners(b):
 
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize(("name", "how"), CASES)
-def test_every_figure_is_readable(figures, page, name, how, width):
+def test_every_figure_is_readable(page, figures, name, how, width):  # page first: no data built to be skipped
     kind = name.split(",")[0]
     gd = _draw(page, figures[name], width, how, kind)
     measured = page.evaluate(MEASURE_JS, gd)
