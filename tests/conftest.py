@@ -1,4 +1,5 @@
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ def _missing_class(preset: str) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    _check_fast_cases(items)
     for item in items:
         preset = getattr(getattr(item, "callspec", None), "params", {}).get("preset")
         if isinstance(preset, str):
@@ -51,6 +53,32 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.extended)
         if item.get_closest_marker("extended") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)  # the extended tier is slower still: `make test-fast` leaves it out
+        if not _kept_fast(item):
+            item.add_marker(pytest.mark.slow)
+
+
+def _kept_fast(item) -> bool:
+    """Whether `make test-fast` (the edit-test loop, under 3 minutes on 2 cores) keeps a parametrized case. A test
+    module's ``FAST_CASES`` maps a parametrized test's name to the case ids the loop keeps, one per code path the
+    test checks; the test's other cases are marked slow (after the extended tier is settled above, so they stay in
+    `make test` and CI). A test the mapping does not name keeps every case."""
+    keep = getattr(getattr(item, "module", None), "FAST_CASES", {}).get(getattr(item, "originalname", None))
+    callspec = getattr(item, "callspec", None)
+    return keep is None or callspec is None or callspec.id in keep
+
+
+def _check_fast_cases(items) -> None:
+    """A ``FAST_CASES`` id that names no case (a typo, a renamed parameter) would leave `make test-fast` without that
+    code path unnoticed: refused, wherever a test's cases are collected together (not one node id alone)."""
+    ids: dict[tuple[Any, str], set[str]] = {}
+    for item in items:
+        if hasattr(getattr(item, "module", None), "FAST_CASES") and hasattr(item, "callspec"):
+            ids.setdefault((item.module, item.originalname), set()).add(item.callspec.id)
+    for (module, name), seen in ids.items():
+        missing = module.FAST_CASES.get(name, set()) - seen
+        if missing and len(seen) > 1:
+            raise pytest.UsageError(f"{module.__name__}.FAST_CASES[{name!r}] names {sorted(missing)}, which are not "
+                                    f"among its cases {sorted(seen)}")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,15 @@ import memkit
 from memkit.memory import phase, tag, track
 from memkit.memory.events import ALLOC, CATEGORIES, PHASES
 
+# `make test-fast` keeps these cases (tests/conftest.py); the others run in `make test` and CI
+FAST_CASES = {
+    "test_optimizer_state_is_exactly_what_survives_in_optimizer_state": {
+        "adamw-steady-step",
+        "sgd-momentum-first-step",
+    },
+    "test_categories_against_torch_memtracker": {"flux", "dit"},
+}
+
 
 def nbytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (non-tensors ignored)."""

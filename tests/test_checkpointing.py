@@ -205,6 +205,7 @@ def _activation_at_backward_start(tl) -> int:
     return tl.bytes_by_category_at(int(events.index[events.phase == "backward"][0]))["activation"]
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_activations_are_ordered_by_the_share_of_blocks_checkpointed():
     # What checkpointing cuts is what the forward keeps for the backward. By the share of the 8 blocks each
     # pattern checkpoints: none 0, every:4 2/8, every:2 4/8, skip-every:4 6/8, all 8/8.
@@ -224,6 +225,7 @@ def test_activations_are_ordered_by_the_share_of_blocks_checkpointed():
         assert abs(kept["none"] - kept[pattern] - share * per_block) < 0.02 * kept["none"], (pattern, kept)
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_selective_keeps_more_than_full_recompute_and_less_than_nothing():
     model = memkit.load_model("dit", size="small")
     inputs = memkit.make_inputs(model)

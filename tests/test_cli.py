@@ -63,6 +63,7 @@ STEADY_META = {
 }
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_estimate_json_peak_equals_the_library(capsys):
     code, out, err = _run(capsys, "estimate", PRESET, "--size", "tiny", "--device", "cpu", "--json")
     assert code == 0, err
@@ -77,6 +78,7 @@ def test_estimate_json_peak_equals_the_library(capsys):
     assert (result["dtype"], result["optimizer"], result["device"]) == ("bfloat16", "adamw", "cpu")
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 def test_the_fsdp_flag_is_the_registry_entry_and_its_old_options_still_work(capsys):
     fsdp = memkit.optimizations.parse("fsdp:2,bf16")

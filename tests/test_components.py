@@ -16,6 +16,9 @@ import memkit
 from memkit._components import _CATALOG, Component, components, run
 from memkit.models import _default_dtype
 
+# `make test-fast` keeps these cases (tests/conftest.py); both VAEs both ways run in `make test` and CI
+FAST_CASES = {"test_fake_video_vae_peak_is_the_real_one": {"wan-encode-False", "ltx-video-decode-True"}}
+
 # class and full config (its parameter count) -> the published figure, and where it is from
 _T5 = 4.762e9  # Wikipedia, "T5 (language model)", the T5 v1.1 table: XXL encoder 4,762,310,656
 PUBLISHED = {
@@ -139,6 +142,7 @@ def test_fake_video_vae_peak_is_the_real_one(preset, part, slicing):
     assert _peak(c, fake=True, batch_size=2, sizes=sizes, part=part, slicing=slicing) == real
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_tiling_lowers_the_tiny_vae_decode_peak():
     c = _component("flux", "vae")
     sizes = {"height": 128, "width": 128}

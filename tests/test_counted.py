@@ -23,6 +23,7 @@ ADAMW = "adamw"  # foreach on CUDA: _foreach ops over every block's tensors at o
     ],
     ids=["lora-checkpointing-adamw", "full-adamw", "lora-adamw8bit", "nf4-lora-adamw"],
 )
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_the_estimates_probe_counts_what_every_block_runs(optimizations, optimizer):
     build = deep("flux", num_layers=6, num_single_layers=7)  # two lists, each longer than the probe's 4 + 1
     tl = memkit.estimate(build, optimizations=optimizations, optimizer=optimizer, count_ops=True, progress=False)
@@ -32,6 +33,7 @@ def test_the_estimates_probe_counts_what_every_block_runs(optimizations, optimiz
     assert tl.op_counts.flops > 0 and tl.op_counts.meta["memo"].endswith("4 blocks per list weighted")
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_an_estimate_of_every_block_counts_each_op_once():
     build = deep("flux", num_layers=2, num_single_layers=2)
     opts = [memkit.Checkpointing()]

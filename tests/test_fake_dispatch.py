@@ -12,6 +12,9 @@ import memkit.estimation as estimation
 from memkit.memory import _fake_dispatch
 from memkit.memory._fake_dispatch import FakeDispatchCache
 
+# `make test-fast` keeps these cases (tests/conftest.py); every preset runs in `make test` and CI
+FAST_CASES = {"test_estimates_are_byte_equal_with_and_without_it": {"flux-0", "wan-3"}}
+
 aten = torch.ops.aten
 
 

@@ -22,6 +22,12 @@ from memkit.memory.recording import track
 from memkit.parallel import _blocks, sharded_order
 from memkit.step import Step, model_output
 
+# `make test-fast` keeps these cases (tests/conftest.py); every world size runs in `make test` and CI
+FAST_CASES = {
+    "test_estimate_equals_the_real_run_at_each_world_size": {"2"},
+    "test_the_local_shard_optimizer_is_the_dtensor_optimizer_byte_for_byte": set(),
+}
+
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 if _torch_compat.torch_version() < _torch_compat.FSDP_MIN:  # tests/test_torch_compat.py checks the refusal there
     pytest.skip("memkit.FSDP needs torch >= 2.11", allow_module_level=True)
@@ -149,6 +155,7 @@ def test_parse_refuses_bad_values_naming_the_argument(value, message):
         memkit.FSDP.parse(value)
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_fsdp_among_the_optimizations_is_the_parallel_estimate_byte_for_byte():
     fsdp = memkit.FSDP(world_size=2)
     kwargs = dict(size="tiny", optimizer="adamw", steps=2, memoize=False)
@@ -327,6 +334,7 @@ def test_ema_after_fsdp_lives_on_the_shards():
     assert tl.peak_bytes == _real(n, optimizations=ema).peak_bytes
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_ff_split_composes_with_fsdp():
     n = 2
     split = [memkit.FFSplit(splits=2)]
@@ -369,6 +377,7 @@ def _cuda_plan(n: int, *, real: bool = False, **kwargs) -> memkit.Timeline:
     return tl
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_cpu_offload_on_a_cpu_estimate_equals_the_real_run_and_moves_nothing():
     # On a CPU, host memory is the device's: FSDP takes its offload path, the shards stay in the timeline.
     n = 1
@@ -381,6 +390,7 @@ def test_cpu_offload_on_a_cpu_estimate_equals_the_real_run_and_moves_nothing():
     assert fake.meta["host_bytes"] == {} and fake.meta["parallel"] == "fsdp:1,cpu-offload"
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_cpu_offload_planned_for_a_gpu_equals_the_real_run():
     fake, real = _cuda_plan(2, cpu_offload=True), _cuda_plan(2, cpu_offload=True, real=True)
     assert fake.peak_bytes == real.peak_bytes
@@ -389,6 +399,7 @@ def test_cpu_offload_planned_for_a_gpu_equals_the_real_run():
     assert fake.meta["host_bytes"] == real.meta["host_state_bytes"]
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_cpu_offload_keeps_rank_0s_shards_in_host_memory_and_off_the_gpu_peak():
     n = 2
     params = list(_tiny().parameters())
@@ -424,6 +435,7 @@ def test_cpu_offload_copies_each_shard_to_the_gpu_for_its_all_gather():
     assert not rows["op"].str.contains("clone").any()  # shards already on the GPU: no copy
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_an_ema_of_cpu_offloaded_shards_lives_beside_them_in_host_memory():
     n = 2
     tl = estimate_cpu(
@@ -464,6 +476,7 @@ def test_the_process_group_is_gone_after_an_estimate_even_one_that_fails():
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_a_running_process_group_is_used_and_kept():
     dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
     try:
@@ -652,6 +665,7 @@ def test_instrument_wraps_fsdp2_s_internals_restores_them_and_warns_where_torch_
     assert "_fully_shard" in str(said[0].message)  # the import error, named
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_dit_shards_the_embedding_its_forward_calls_after_the_blocks():
     # DiT takes the output's conditioning from transformer_blocks[0].norm1.emb after every block ran: sharded with
     # block 0 alone, that call fails ("got mixed torch.Tensor and DTensor"); as its own unit it is gathered there

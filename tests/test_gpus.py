@@ -88,6 +88,7 @@ def _cli(argv, capsys):
     return code, (json.loads(out.out) if "--json" in argv and code in (0, 1) else None), out.err
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_the_command_line_exit_status_is_the_verdict(capsys):
     code, fits, _ = _cli(["estimate", "pixart", "--size", "tiny", "--gpu", "t4", "--json"], capsys)
     assert code == 0 and fits["fits"] is True and fits["verdict"] == "fits" and fits["gpu"] == "t4"

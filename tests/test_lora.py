@@ -14,6 +14,14 @@ import memkit
 from memkit.optimizations import lora as lora_mod
 from memkit.optimizations.lora import LoRA, default_targets
 
+# `make test-fast` keeps these cases (tests/conftest.py); every preset runs in `make test` and CI
+FAST_CASES = {
+    "test_trainable_count_equals_peft_on_every_preset": {"flux", "wan", "pixart"},
+    "test_full_size_counts_equal_peft_on_the_meta_device": set(),
+    "test_full_size_lora_counts_equal_finetrainers_logs": set(),
+    "test_estimate_equals_the_real_tracked_steps": {"wan"},
+}
+
 peft = pytest.importorskip("peft")
 
 ATTENTION = ("to_k", "to_q", "to_v", "to_out.0")
@@ -235,6 +243,7 @@ def test_missing_peft_names_the_extra(monkeypatch):
         LoRA().apply(memkit.load_model("flux"))
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_cli_reports_trainable_parameters(capsys):
     from memkit.cli import main
 

@@ -19,6 +19,22 @@ import memkit
 from memkit import _memo, _splice
 from memkit.presets import PRESETS
 
+# `make test-fast` keeps these cases (tests/conftest.py): the splice with one block list and with two, a
+# checkpointed and a quantized-LoRA step, and the ones that change the step itself (inference, a first step, a
+# batch, no optimizer); every other preset and setting runs in `make test` and CI
+FAST_CASES = {
+    "test_every_preset_default_step": {"wan"},  # Flux's two block lists: flux-checkpointing below
+    "test_every_setting": {"flux-checkpointing", "wan-nf4-lora", "ltx-video-inference", "ltx-video-first-step",
+                           "ltx-video-batch-2", "wan-no-optimizer"},
+    "test_other_presets_settings": {"dit-inference"},
+    "test_single_stream_presets_settings": set(),
+    "test_fsdp": set(),  # FSDP's steady step: tests/test_steady.py::test_fsdp_runs_the_steady_step
+    "test_a_preset_builds_its_probe_directly": {"wan"},
+    "test_a_refused_model_runs_every_block_and_says_why": {"cogview4"},
+    "test_what_is_not_memoized_says_why": {
+        "kwargs0-checkpoints some blocks", "kwargs1-EMA is not memoized", "kwargs2-memoize=False"},
+}  # fmt: skip
+
 LAYERS = {  # more blocks per list than the probe keeps (4)
     "flux": {"num_layers": 5, "num_single_layers": 6},
     "sd3": {"num_layers": 5},
@@ -284,6 +300,7 @@ def test_what_is_not_memoized_says_why(kwargs, reason):
     assert reason in tl.meta["memo"]
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_a_model_without_block_lists_runs_every_block():
     tl = memkit.estimate("unet", size="tiny", progress=False)
     assert tl.meta["memoized"] is False
@@ -299,6 +316,7 @@ def test_block_lists_need_identical_blocks():
     assert _memo.block_lists(torch.nn.Sequential(short)) == []
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_a_probe_that_does_not_split_falls_back(monkeypatch):
     """Events the splice cannot place make the estimate run every block, saying so: never a wrong number."""
 

@@ -16,6 +16,16 @@ from memkit.models import load_model, make_inputs, preset_of
 from memkit.presets import PRESETS, SIZES, Preset
 from memkit.step import model_output, train_step
 
+# `make test-fast` keeps one preset of each block layout here (tests/conftest.py); every preset runs in `make test`
+FAST_CASES = {
+    name: {"flux", "wan", "pixart", "unet"}
+    for name in (
+        "test_bfloat16_builds_bfloat16_params_and_inputs",
+        "test_full_size_matches_the_release_without_allocating",
+        "test_forward_and_backward_run_under_fake_mode",
+    )
+}
+
 NAMES = list(PRESETS)
 
 # Parameter counts of the released models, from their model cards and papers (within 3%; see ROUNDED, EXACT).
@@ -369,6 +379,7 @@ def test_preset_found_by_class_for_a_model_not_built_by_memkit():
     assert latent_input(make_inputs(model)).shape == (1, 4, 4, 4)  # tiny defaults: the config matches
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_presets_sharing_a_class_are_told_apart_by_the_config():
     shared: dict[str, list[str]] = {}
     for p in PRESETS.values():

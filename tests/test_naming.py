@@ -166,6 +166,7 @@ def test_cli_estimates_a_hub_id_and_a_config_and_refuses_an_unknown_name(tmp_pat
     assert "memkit estimate: error: no-such/model is not a preset's hub id" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_memkit_models_lists_every_preset_and_every_diffusers_class(capsys):
     import diffusers
 

@@ -59,6 +59,7 @@ def _torchao_on_a_real_model():
     return tl
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_quantizing_on_the_gpu_is_the_libraries_run_on_the_loaded_checkpoint():
     real = _torchao_on_a_real_model()
     quantize = memkit.Quantize(method="int8wo")
@@ -168,6 +169,7 @@ def _real_job(preset, placements, *, validate=False, optimizations=()):
         torch.set_default_dtype(old)
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_resident_components_and_validation_compose_as_a_real_run():
     pytest.importorskip("memkit._components")
     lora = memkit.LoRA(rank=4)

@@ -41,6 +41,7 @@ def pr_10009_bf16():
     return estimate_job("flux", Pipeline(vae="gpu"), mode="inference", height=768, width=768, progress=False)
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_pr_10009_bf16_flux_with_its_vae_on_the_gpu(pr_10009_bf16):
     job = pr_10009_bf16
     load, denoise = job.phases["load"].timeline, job.phases["denoise"].timeline
@@ -70,6 +71,7 @@ def test_pr_10009_bf16_flux_with_its_vae_on_the_gpu(pr_10009_bf16):
         ),
     ],
 )
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_blog_quantization_backends_flux_whole_pipeline_on_the_gpu(optimizations, after_loading, peak):
     job = estimate_job(
         "flux", Pipeline(text_encoders="gpu", vae="gpu"), mode="inference", optimizations=optimizations, progress=False

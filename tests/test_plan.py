@@ -14,6 +14,9 @@ import memkit
 from memkit import gpus
 from memkit.planning import ALLOC_CONFS, DIMENSIONS, NothingFits, _levels_grid, plan
 
+# `make test-fast` keeps these cases (tests/conftest.py); `make test` and CI run frames
+FAST_CASES = {"test_maximize_finds_the_largest_value_that_fits": set()}
+
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
@@ -131,6 +134,7 @@ def test_the_plan_agrees_with_brute_force_over_ema_placement_and_fsdp():
     assert {p.best.levels["fsdp"] for p in plans} == {None, 2} and len({p.best.levels["ema"] for p in plans}) > 1
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_nothing_fits_names_the_smallest_peak_and_what_holds_it():
     pattern = (
         r"no configuration fits a test card \(64\.00 KiB usable\): the smallest peak found is [\d.]+ MiB reserved "
@@ -192,6 +196,7 @@ def test_a_dimension_that_conflicts_with_a_fixed_setting_leaves_the_search_named
     assert list(result.refused) == ["fsdp"] and result.refused["fsdp"].endswith("conflicts with the fixed ema:offload")
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_ctrl_c_returns_what_was_found_so_far(monkeypatch):
     real = memkit.estimation.estimate
     calls = []
@@ -208,6 +213,7 @@ def test_ctrl_c_returns_what_was_found_so_far(monkeypatch):
     assert result.summary()["interrupted"] is True
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_the_command_line_flags_reproduce_each_configuration(capsys):
     from memkit.cli import main
 

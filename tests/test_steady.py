@@ -13,6 +13,17 @@ from memkit import _steady
 from memkit.estimation import clear_cache
 from tests.test_memo import SETTINGS, assert_same, both, deep
 
+# `make test-fast` keeps these cases (tests/conftest.py); the others run in `make test` and CI
+FAST_CASES = {
+    "test_counted_ops_are_the_steady_step_s": {"default"},
+    "test_which_settings_derive_the_steady_step": {
+        "default-True",
+        "nf4-lora-True",
+        "first-step-False",
+        "inference-False",
+    },
+}
+
 
 @pytest.mark.parametrize(
     "setting, derived",

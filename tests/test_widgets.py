@@ -365,6 +365,7 @@ def test_no_panel_shows_a_control_twice():
         assert labels[0] == name and all(f in labels for f in panel.widgets), (name, labels)
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_the_fsdp_panel_shards_the_estimate_and_run_refuses_it():
     pg = memkit.Playground(preset="pixart", estimate_size="tiny", repeats=0, figures="widget")
     panel = pg.panels["fsdp"]

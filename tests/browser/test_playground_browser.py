@@ -336,6 +336,10 @@ def _check_the_app(page, tmp_path: Path) -> None:
         arg=[live.element_handle(), f"{card}: usable"],
         timeout=60_000,
     )
+    # The live legend as drawn after three redraws with different traces (the pre-run blank, Run's timeline, the
+    # judged estimate): each name once (it once listed parameter, optimizer_state and input twice)
+    legend = live.evaluate("gd => [...gd.querySelectorAll('.legend .legendtext')].map(e => e.textContent)")
+    assert legend and len(legend) == len(set(legend)), legend
 
     table = app.locator(".memkit-table")  # every column in view, none behind a scroll bar
     assert table.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), table.evaluate(
