@@ -22,6 +22,9 @@ import memkit
 from memkit.optimizations import checkpointing as ck
 from memkit.optimizations import parse
 
+# `make test-fast` keeps one preset of each block layout (tests/conftest.py); every preset runs in `make test` and CI
+FAST_CASES = {"test_same_outputs_and_gradients_on_the_cpu_and_through_the_stand_in": {"flux", "wan", "pixart", "unet"}}
+
 _CPU_ONLY = "checkpointing provider='offload': the blocks' inputs are in CPU memory already"
 
 

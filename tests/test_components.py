@@ -17,7 +17,10 @@ from memkit._components import _CATALOG, Component, components, run
 from memkit.models import _default_dtype
 
 # `make test-fast` keeps these cases (tests/conftest.py); both VAEs both ways run in `make test` and CI
-FAST_CASES = {"test_fake_video_vae_peak_is_the_real_one": {"wan-encode-False", "ltx-video-decode-True"}}
+FAST_CASES = {
+    "test_fake_video_vae_peak_is_the_real_one": {"wan-encode-False", "ltx-video-decode-True"},
+    "test_fake_vae_peak_is_the_real_one": {"False-decode-1", "True-encode-2"},
+}
 
 # class and full config (its parameter count) -> the published figure, and where it is from
 _T5 = 4.762e9  # Wikipedia, "T5 (language model)", the T5 v1.1 table: XXL encoder 4,762,310,656

@@ -20,12 +20,10 @@ from memkit import _memo, _splice
 from memkit.presets import PRESETS
 
 # `make test-fast` keeps these cases (tests/conftest.py): the splice with one block list and with two, a
-# checkpointed and a quantized-LoRA step, and the ones that change the step itself (inference, a first step, a
-# batch, no optimizer); every other preset and setting runs in `make test` and CI
+# checkpointed and a quantized-LoRA step, and inference; every other preset and setting runs in `make test` and CI
 FAST_CASES = {
     "test_every_preset_default_step": {"wan"},  # Flux's two block lists: flux-checkpointing below
-    "test_every_setting": {"flux-checkpointing", "wan-nf4-lora", "ltx-video-inference", "ltx-video-first-step",
-                           "ltx-video-batch-2", "wan-no-optimizer"},
+    "test_every_setting": {"flux-checkpointing", "wan-nf4-lora", "ltx-video-inference"},
     "test_other_presets_settings": {"dit-inference"},
     "test_single_stream_presets_settings": set(),
     "test_fsdp": set(),  # FSDP's steady step: tests/test_steady.py::test_fsdp_runs_the_steady_step

@@ -23,6 +23,9 @@ FAST_CASES = {
         "test_bfloat16_builds_bfloat16_params_and_inputs",
         "test_full_size_matches_the_release_without_allocating",
         "test_forward_and_backward_run_under_fake_mode",
+        "test_small_size_has_30_to_100m_parameters",
+        "test_save_pretrained_round_trip",
+        "test_train_step_reaches_every_parameter_and_keeps_the_latent_shape",
     )
 }
 

@@ -20,6 +20,9 @@ from memkit.optimizations.offload import Offload, OffloadError, onloaded
 from memkit.presets import PRESETS
 from memkit.step import Step, model_output
 
+# `make test-fast` keeps one preset of each block layout (tests/conftest.py); every preset runs in `make test` and CI
+FAST_CASES = {"test_block_level_also_offloads_the_layers_outside_the_blocks": {"flux", "wan", "pixart", "unet"}}
+
 TOL = 1e-6
 
 

@@ -9,6 +9,13 @@ import memkit
 from memkit.optimizations import REGISTRY, Spec, parse, register, spec_of
 from memkit.step import Step, model_output
 
+# `make test-fast` keeps each optimization on Flux (tests/conftest.py); `make test` and CI run the UNet too
+FAST_CASES = {
+    "test_apply_step_remove_leaves_the_model_bit_identical": {
+        f"{name}-flux" for name in ("checkpointing", "ema", "ff-split", "fsdp", "lora", "offload", "quantize")
+    }
+}
+
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")
 SPECS = sorted(REGISTRY)
 MODELS = ["flux", "unet"]  # a transformer and the UNet: different block structures

@@ -21,6 +21,13 @@ from memkit.cli import main
 from memkit.memory.events import CUDA_BLOCK, round_alloc
 from memkit.optimizers import EXTRA, OPTIMIZERS, MissingLibraryError, OptimizerName, make_optimizer
 
+# `make test-fast` keeps these cases (tests/conftest.py): a plain, an 8-bit and a factored optimizer; every optimizer
+# runs in `make test` and CI
+FAST_CASES = {
+    "test_the_updates_temporaries_are_what_the_cpu_allocator_saw": {"adamw", "adamw8bit", "came"},
+    "test_an_estimate_on_cpu_equals_the_real_first_and_steady_step": {"adamw-bf16", "adamw8bit-fp32", "came-bf16"},
+}
+
 bnb = pytest.importorskip("bitsandbytes")
 prodigyopt = pytest.importorskip("prodigyopt")
 came_pytorch = pytest.importorskip("came_pytorch")

@@ -19,6 +19,9 @@ from memkit.handle import apply_all
 from memkit.optimizations import REGISTRY, parse
 from memkit.optimizations.quantization import METHODS, Quantize
 
+# `make test-fast` keeps a bitsandbytes and a storage-cast base (tests/conftest.py); every method runs in `make test`
+FAST_CASES = {"test_qlora_estimate_equals_the_real_tracked_steps": {"nf4", "fp8-storage"}}
+
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
