@@ -52,7 +52,7 @@ def test_no_live_widget_is_stored(path):
             assert not "".join(data.get("text/plain", "")).startswith(("VBox(", "HBox(")), path.name
 
 
-def test_store_replaces_a_widget_output_by_the_screenshot(tmp_path):
+def test_store_replaces_a_widget_output_by_the_screenshot_and_drops_progress_bars(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_store", NOTEBOOKS[0].parent / "_store.py")
@@ -61,12 +61,15 @@ def test_store_replaces_a_widget_output_by_the_screenshot(tmp_path):
     widget = {"output_type": "display_data", "metadata": {},
               "data": {store.WIDGET: {"model_id": "x"}, "text/plain": ["VBox(children=(...))"]}}  # fmt: skip
     plain = {"output_type": "stream", "name": "stdout", "text": ["kept\n"]}
-    nb = {"cells": [{"cell_type": "code", "source": [], "metadata": {}, "outputs": [widget, plain]}],
+    meter = "compare:   0%|          | 0/10 [00:00<?, ?it/s]"  # tqdm.auto's widget, as its text/plain shows it
+    bar = {"output_type": "display_data", "metadata": {},
+           "data": {store.WIDGET: {"model_id": "y"}, "text/plain": [meter]}}  # fmt: skip
+    nb = {"cells": [{"cell_type": "code", "source": [], "metadata": {}, "outputs": [bar, widget, plain, bar]}],
           "metadata": {"widgets": {"state": {}}}, "nbformat": 4, "nbformat_minor": 5}  # fmt: skip
     path = tmp_path / "n.ipynb"
     path.write_text(json.dumps(nb))
     assert store.store(path) == 1
     out = json.loads(path.read_text())
-    first, second = out["cells"][0]["outputs"]
+    first, second = out["cells"][0]["outputs"]  # the progress bars dropped
     assert set(first["data"]) == {"image/png", "text/plain"} and "picture" in first["data"]["text/plain"][0]
     assert second == plain and "widgets" not in out["metadata"]
