@@ -33,6 +33,25 @@ def test_no_unformatted_placeholder_is_stored(path):
     assert not holes, f"{path.name}: cell (index) and placeholder shown unformatted: {holes}"
 
 
+def _needs_the_extra(code: str) -> bool:
+    """Code that imports what only memkit's fine-tuning extra installs: peft (LoRA), bitsandbytes (nf4, 8-bit
+    optimizers), torchao (the CPU offload optimizer), prodigyopt, came-pytorch."""
+    from memkit.optimizers import _LIBRARIES
+
+    names = "|".join(re.escape(n) for n in _LIBRARIES)
+    uses = rf"memkit\.(LoRA|Quantize)\(|\blora=|optimizer_on=\"cpu\"|optimizer=\"({names})\""
+    return re.search(uses, code) is not None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_notebook_installs_the_extra_its_code_needs(path):
+    """On Colab a notebook's guarded %pip line is all that gets installed: a notebook that uses LoRA, a quantized base
+    or an optimizer from another library must install memkit[finetune] (notebook 00 did not, and failed there)."""
+    code = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    (install,) = re.findall(r'%pip install -q "([^"]+)"', code)
+    assert install.startswith("memkit[finetune] @ " if _needs_the_extra(code) else "memkit @ "), (path.name, install)
+
+
 def test_the_notebook_map_links_every_notebook_and_only_those():
     text = (NOTEBOOKS[0].parent / "README.md").read_text()
     linked = set(re.findall(r"\]\(([^)]+\.ipynb)\)", text))
