@@ -5,19 +5,19 @@ It runs :func:`memkit.estimate`, so it sits beside it, above the optimizations i
 :func:`plan_checkpointing`; ``Checkpointing(budget_bytes=...)``, ``estimate(optimizations=[...])`` with such a
 config, and ``memkit estimate --checkpointing auto --budget SIZE`` all call it.
 
-Checkpointing more blocks lowers the activations the forward keeps and costs more recompute, so the best
-pattern for a budget is the one that checkpoints the fewest blocks while its peak still fits. The solver asks
-:func:`memkit.estimate` (fake tensors: nothing is allocated, so it works for a full-size model on a laptop)
-for the peak of "k blocks checkpointed, spread evenly" and searches k: ``none`` and ``all`` first, then k where
-the straight line between their peaks crosses the budget (each block checkpointed drops about the same bytes) and
-that k's neighbour across the budget (twice at most, in the bracket left), which settle the search where the peak
-falls evenly with the blocks checkpointed, and a bisection of what is left where it does not: full LTX-Video, 28
-blocks, a 16 GiB budget, estimates 16, 15 and 14 after none and all, where bisection estimated 14, 21, 18, 16 and
-15; at most four more than bisection's ``log2(n)``. The peak is taken not to grow when more blocks
-are checkpointed. A preset's blocks are counted on a fake copy, so ``none`` and ``all`` are the plain patterns,
-whose estimates are memoized and which :func:`memkit.estimate` keeps for the process (asking for them again costs
-nothing). The estimate is the tracker's own step on fake tensors, so the prediction is the
-peak a real step of that model, inputs and step would reach on ``device``.
+Checkpointing more blocks lowers the activations the forward keeps and costs more recompute, so the best pattern for
+a budget is the one that checkpoints the fewest blocks while its peak still fits. The solver asks
+:func:`memkit.estimate` (fake tensors: nothing is allocated, so it works for a full-size model on a laptop) for the
+peak of "k blocks checkpointed, spread evenly" and searches k: ``none`` and ``all`` first, then k where the straight
+line between their peaks crosses the budget (each block checkpointed drops about the same bytes) and that k's
+neighbour across the budget (twice at most, in the bracket left), which settle the search where the peak falls
+evenly with the blocks checkpointed, and a bisection of what is left where it does not: full LTX-Video, 28 blocks, a
+16 GiB budget, estimates 16, 15 and 14 after none and all, where bisection estimated 14, 21, 18, 16 and 15; at most
+four more than bisection's ``log2(n)``. The peak is taken not to grow when more blocks are checkpointed. A preset's
+blocks are counted on a fake copy, so ``none`` and ``all`` are the plain patterns, whose estimates are memoized and
+which :func:`memkit.estimate` keeps for the process (asking for them again costs nothing). The estimate is the
+tracker's own step on fake tensors, so the prediction is the peak a real step of that model, inputs and step would
+reach on ``device``.
 
 The fastest configuration that fits a GPU: :func:`plan`.
 
