@@ -98,20 +98,23 @@ coverage: $(STAMP)
 browser-test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider tests/browser
 
-# A second environment with Colab's widget and plotly versions (constraints-colab.txt): notebook 06 under nbval
-# there, and the app's static-figure path checked.
+# A second environment with Colab's widget and plotly versions (constraints-colab.txt) and what the notebooks' own
+# %pip lines install there (memkit with the fine-tuning extra, which notebooks 00, 08 and 09 need): the app's
+# static-figure path checked, then every notebook's quick run under nbval, in TEST_WORKERS workers as in `make test`.
 COLAB_VENV := .venv-colab
 COLAB_STAMP := $(COLAB_VENV)/.installed
 
 $(COLAB_STAMP): pyproject.toml constraints.txt constraints-colab.txt
 	$(PYTHON) -m venv $(COLAB_VENV)
 	$(COLAB_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-colab.txt torch==2.13.0
-	$(COLAB_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-colab.txt -e . "pytest>=8" "nbval>=0.11"
+	$(COLAB_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-colab.txt -e ".[finetune]" \
+		"pytest>=8" "nbval>=0.11" "pytest-xdist>=3"
 	touch $(COLAB_STAMP)
 
 colab-test: $(COLAB_STAMP)
 	MEMKIT_COLAB_ENV=1 $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider tests/colab
-	MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider --nbval-lax notebooks/06_playground.ipynb
+	MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider --nbval-lax \
+		-n $(TEST_WORKERS) --dist loadfile $(NOTEBOOKS_LONGEST_FIRST)
 
 # The torch version matrix (memkit/_torch_compat.py: the supported range, and which feature needs which torch): the
 # fast tests under the oldest and the newest torch pyproject.toml allows, each in its own virtualenv .venv-torch-X.Y

@@ -4,7 +4,8 @@ A live widget's output is only a reference into the kernel's widget state, which
 widget's repr ("VBox(children=(HTML(...") instead. So each widget output is replaced by the Playground's screenshot
 (``screenshots/playground.png``, which the browser test writes from the live app after a Run, at half size) with a
 line saying it is a picture, and the notebook's widget state is dropped. Run live, the cell shows
-the app itself.
+the app itself. A progress bar (``tqdm.auto``'s widget, which memkit's long calls show with ``progress=True``) is
+dropped instead: it is there while the cell runs, and a finished cell has nothing to show of it.
 
 Usage: ``python notebooks/_store.py notebooks/*.ipynb``
 """
@@ -14,11 +15,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 SCREENSHOT = Path(__file__).resolve().parent / "screenshots" / "playground.png"
+# tqdm's text form of a bar, what a widget-view output's text/plain holds for it: "desc:  40%|####  | 4/10 [00:02<...]"
+PROGRESS = re.compile(r"\d+%\|.*\| *[\d.?]+\w*/[\d.?]+\w* \[")
 SCALE = 0.5  # of the screenshot's size: 424 pixels wide, the whole app (controls, buttons, table, timeline)
 CAPTION = (
     "The Playground, as a picture: widgets run only in a live Jupyter or Colab kernel (this is the app after a Run, "
@@ -40,12 +44,19 @@ def _picture() -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
+def _progress_bar(output: dict) -> bool:
+    data = output.get("data") or {}
+    return WIDGET in data and PROGRESS.search("".join(data.get("text/plain", ""))) is not None
+
+
 def store(path: Path) -> int:
-    """Rewrite ``path`` in place; returns how many widget outputs were replaced."""
+    """Rewrite ``path`` in place; returns how many widget outputs were replaced (progress bars dropped)."""
     nb = json.loads(path.read_text())
     replaced = 0
     picture = None
     for cell in nb["cells"]:
+        if "outputs" in cell:
+            cell["outputs"] = [output for output in cell["outputs"] if not _progress_bar(output)]
         for output in cell.get("outputs", []):
             data = output.get("data") or {}
             if WIDGET in data:

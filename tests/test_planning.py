@@ -1,8 +1,13 @@
 """The budget solver: the fewest checkpointed blocks whose estimated peak fits, checked against a real step."""
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 from _cpu_estimate import CPU_STEP, estimate_cpu
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memkit
 from memkit.planning import spread
@@ -43,6 +48,35 @@ def test_a_budget_above_the_plain_peak_checkpoints_nothing_and_one_below_all_say
     plan = memkit.plan_checkpointing("flux", 1024, size="tiny", provider="selective")
     assert plan.config == memkit.Checkpointing(pattern="all", provider="selective")
     assert not plan.fits and plan.predicted_peak_bytes > 1024 and "does NOT fit" in str(plan)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=2, max_size=60), st.integers(0, 10**6), st.booleans())
+def test_the_search_finds_the_fewest_blocks_that_fit_in_few_estimates(drops, budget, preset):
+    # any peak that does not grow with the blocks checkpointed (n + 1 values), a callable or a preset's count
+    n = len(drops) - 1
+    peaks = [10**8 - sum(drops[:k]) for k in range(n + 1)]
+    budget = peaks[-1] + budget - 2 * 10**5  # below all, between, above none
+    asked = []
+
+    def estimate(model, inputs, *, optimizations, **kwargs):
+        (config,) = optimizations
+        if callable(config.pattern):
+            return SimpleNamespace(peak_bytes=peaks[sum(config.pattern(i, None) for i in range(n))])
+        k = {"none": 0, "all": n}.get(config.pattern) if isinstance(config.pattern, str) else len(config.pattern)
+        asked.append(k)
+        return SimpleNamespace(peak_bytes=peaks[k])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(memkit.estimation, "estimate", estimate)
+        mp.setattr(memkit.planning, "_preset_blocks", lambda model, size: n if preset else None)
+        plan = memkit.plan_checkpointing(lambda: None, budget)
+    fitting = [k for k in range(n + 1) if peaks[k] <= budget]
+    assert plan.checkpointed == (fitting[0] if fitting else n) and plan.blocks == n
+    assert plan.fits == bool(fitting) and plan.predicted_peak_bytes == peaks[plan.checkpointed]
+    assert len(set(asked)) == len(asked) and len(plan.tried) <= 2 + 4 + math.ceil(math.log2(n))
+    if len(set(drops[:-1])) == 1 and fitting and 0 < fitting[0] < n:  # every block drops the same: two guesses
+        assert len(plan.tried) <= 2 + 2
 
 
 def test_spread_and_errors():

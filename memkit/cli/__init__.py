@@ -295,7 +295,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         default=None,
         help="with --checkpointing auto[@PROVIDER]: the peak to fit (e.g. 40GiB); memkit checkpoints the fewest "
-        "blocks whose estimated peak fits (2 + log2(blocks) estimates)",
+        "blocks whose estimated peak fits (~2 + log2(blocks) estimates)",
     )
     old = p.add_argument_group("deprecated (go in the next release): the options of --fsdp N[,OPTION...]")
     old.add_argument("--fsdp-keep-unsharded", action="store_true", help="use --fsdp N,keep-unsharded")
