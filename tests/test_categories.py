@@ -16,10 +16,7 @@ from memkit.memory.events import ALLOC, CATEGORIES, PHASES
 
 # `make test-fast` keeps these cases (tests/conftest.py); the others run in `make test` and CI
 FAST_CASES = {
-    "test_optimizer_state_is_exactly_what_survives_in_optimizer_state": {
-        "adamw-steady-step",
-        "sgd-momentum-first-step",
-    },
+    "test_optimizer_state_is_exactly_what_survives_in_optimizer_state": {"adamw-steady-step"},
     "test_categories_against_torch_memtracker": {"flux", "dit"},
 }
 

@@ -239,6 +239,7 @@ def test_bad_input_exits_2(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_report_writes_one_self_contained_html(capsys, tmp_path):
     path = tmp_path / "report.html"
     code, out, err = _run(capsys, "report", PRESET, "--out", str(path), "--repeats", "0", "--quiet")
@@ -358,6 +359,7 @@ def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
     assert code in (0, 141)  # 141 = 128 + SIGPIPE when the pipe closed before the end
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_the_job_flags_break_the_peak_down_by_phase_and_component(capsys):
     argv = ["estimate", "flux", "--size", "tiny", "--lora", "4", "--text-encoders", "cpu", "--vae", "gpu",
             "--validate", "100:4", "--json"]  # fmt: skip

@@ -10,6 +10,9 @@ from diffusers.training_utils import EMAModel
 import memkit
 from memkit.optimizations.ema import EMAState, diffusers_check
 
+# `make test-fast` keeps one placement (tests/conftest.py); `make test` and CI run both
+FAST_CASES = {"test_estimate_for_cuda_keeps_host_shadows_off_the_gpu_peak": {"cpu_only"}}
+
 
 def _model(seed=0):
     torch.manual_seed(seed)

@@ -284,6 +284,7 @@ def test_collective_buffers_exist_only_in_flight():
     assert set(allocated["phase"]) == {"forward", "backward"}  # all-gathers, then reduce-scatters too
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_mixed_precision_gathers_in_bf16():
     model = _tiny()
     n = 2
@@ -326,6 +327,7 @@ def test_checkpointing_composes_with_fsdp():
     assert fake.baseline_by_category == _fake(n).baseline_by_category
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_ema_after_fsdp_lives_on_the_shards():
     n = 4
     ema = [memkit.EMA()]
@@ -423,6 +425,7 @@ def test_cpu_offload_keeps_rank_0s_shards_in_host_memory_and_off_the_gpu_peak():
         assert _live_max(offloaded, category) == _live_max(on_gpu, category)
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_cpu_offload_copies_each_shard_to_the_gpu_for_its_all_gather():
     # A GPU's FSDP copies the host shard to the device before each all-gather (on a CPU mesh ``.to`` is a no-op, so
     # memkit makes that copy): in forward every parameter is gathered once, so once each padded shard.

@@ -73,6 +73,7 @@ def test_an_estimate_of_a_changed_config_file_is_not_the_cached_one(tmp_path):
     assert after.meta["parameters"] > before.meta["parameters"]
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_a_class_without_a_preset_is_refused_for_its_inputs_and_estimated_with_given_ones(tmp_path):
     config = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16), norm_num_groups=4,
                   down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
@@ -151,6 +152,7 @@ def test_a_hub_id_downloads_only_its_config_json(tmp_path, monkeypatch):
     assert ref.class_name == "SanaTransformer2DModel" and ref.preset is None
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_cli_estimates_a_hub_id_and_a_config_and_refuses_an_unknown_name(tmp_path, capsys, offline):
     assert main(["estimate", "Efficient-Large-Model/Sana_1600M_1024px_diffusers", "--size", "tiny", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
