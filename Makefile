@@ -62,8 +62,9 @@ test: $(STAMP)
 	$(MAKE) browser-test colab-test
 
 # The edit-test loop: the unit tests not marked slow (the `slow` marker, pyproject.toml: every preset trained, the
-# CPU-path subprocesses, fresh interpreters, the README, preset x setting pairs a fast test's code path covers), in
-# TEST_WORKERS processes, no coverage, no notebooks; ~280 CPU-seconds (bench/RESULTS.md). `make test` runs them all.
+# CPU-path subprocesses, fresh interpreters, the README, tests of several seconds, and the cases of parametrized suites
+# beyond the one per code path a module's FAST_CASES keeps: tests/conftest.py), in TEST_WORKERS processes, no coverage,
+# no notebooks; ~330 CPU-seconds (bench/RESULTS.md). `make test` runs them all.
 .PHONY: test-fast
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not slow" -n $(TEST_WORKERS) --durations=15
@@ -91,7 +92,9 @@ coverage: $(STAMP)
 		--cov=memkit --cov-report=term-missing:skip-covered
 
 # The Playground in JupyterLab in headless Chromium (Playwright): notebook 06 run, a toggle changed, Run pressed,
-# the live timeline and the table checked. Needs Chromium (Debian: apt-get install chromium); skips without it.
+# the live timeline and the table checked; and every kind of memkit figure drawn by plotly.js at 700, 800 and 1400 px
+# wide, failing on overlapping titles, legends, annotations and tick labels (tests/browser/test_figure_layout.py;
+# MEMKIT_FIGURE_DIR=dir saves each drawing). Needs Chromium (Debian: apt-get install chromium); skips without it.
 # MEMKIT_SCREENSHOT_DIR=notebooks/screenshots also saves the app's screenshot there.
 # MEMKIT_BROWSER_THROTTLE=6 slows the page's CPU 6x during Run All (the race that once left the figures blank);
 # MEMKIT_BROWSER_CONTROL=1 adds the control: plotly's own FigureWidget in the app's place, expected blank (3 min each).
