@@ -111,6 +111,10 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         "memkit/optimizations/checkpointing.py",
         ("tests/test_checkpointing.py", "tests/test_checkpointing_offload.py"),
     ),
+    # FFSplit is two files: feedforward.py finds the layers and swaps their forwards, _ff_chunks.py computes the
+    # chunks. A target is one file or one glob, so each is its own entry, run against the same test file.
+    "feedforward": ("memkit/optimizations/feedforward.py", ("tests/test_feedforward.py",)),
+    "ff_chunks": ("memkit/optimizations/_ff_chunks.py", ("tests/test_feedforward.py",)),
 }
 """Module name -> (the file or glob mutmut mutates, the test files run against each mutant)."""
 
@@ -118,6 +122,8 @@ MARKERS: dict[str, str] = {
     # name: a pytest -m expression run against each mutant (its test files hold slow suites: every preset
     # trained, minutes per mutant, where a fast test already runs the same code path)
     "checkpointing": "not slow",
+    "feedforward": "not slow",
+    "ff_chunks": "not slow",
 }
 
 EQUIVALENT: dict[tuple[str, str], str] = {
