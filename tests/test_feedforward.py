@@ -770,3 +770,77 @@ def test_blocks_it_cannot_split_are_counted_and_named_in_full():
         "ff-split leaves the MLP of 2 ZImageTransformerBlock blocks whole (a SwiGLU feed-forward, w1 and w3 into w2: "
         "a forward it has no rewrite for); it splits the other 1 feed-forward layers"
     ]
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+def test_float64_outputs_and_gradients_equal_the_unsplit_layer_to_double_precision(act):
+    """fp64 is computed and accumulated in fp64 (only fp16 and bf16 chunks are summed in fp32): within 1e-12."""
+    torch.manual_seed(6)
+    ff = FeedForward(16, inner_dim=48, activation_fn=act).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y0, g0 = _run(ff, x)
+    for recompute in (None, False):
+        with FFSplit(splits=4, recompute=recompute).apply(ff):
+            y1, g1 = _run(ff, x)
+        assert y1.dtype == torch.float64
+        for a, b in zip([y0, *g0], [y1, *g1], strict=True):
+            assert _close(a, b, rel=1e-12), recompute
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+@pytest.mark.parametrize("frozen", ["input", "proj.weight", "proj.bias", "out.weight"])
+def test_the_recomputed_backward_makes_no_gradient_buffer_for_a_frozen_tensor(act, frozen):
+    """A training step's peak (the recomputing backward holds every gradient buffer to its end) is lower by exactly
+    the bytes of the one tensor that needs no gradient: the input (a model's first layer), or a frozen weight."""
+    torch.manual_seed(7)
+
+    def peak(frozen):
+        ff = FeedForward(32, inner_dim=200, activation_fn=act)
+        x = torch.randn(2, 128, 32, requires_grad=frozen != "input")
+        tensors = {"input": x, "proj.weight": ff.net[0].proj.weight, "proj.bias": ff.net[0].proj.bias}
+        tensors["out.weight"] = ff.net[2].weight
+        if frozen != "input" and frozen is not None:
+            tensors[frozen].requires_grad_(False)
+        with FFSplit(splits=4).apply(ff), memkit.track(ff) as tl:
+            ff(x).sum().backward()
+        return tl.peak_bytes, tensors[frozen or "input"].nbytes
+
+    trained, _ = peak(None)
+    lower, nbytes = peak(frozen)
+    assert trained - lower == nbytes
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+def test_sequence_mode_peak_is_the_output_one_tile_output_and_one_tiles_intermediates(act):
+    """no_grad, 256 tokens: splits=s holds the whole output, the first tile's output (kept until the end) and
+    ALIVE[act] intermediates of one tile (256 / s rows). One tile (splits=1, or a single token) runs the layer
+    whole: the unsplit peak, with no output buffer beside it."""
+    ff = FeedForward(32, inner_dim=200, activation_fn=act)
+
+    def peak(opts, x):
+        with torch.no_grad(), _apply(ff, opts), memkit.track(ff, inputs=x) as tl:
+            ff(x)
+        return tl.peak_bytes - tl.baseline_bytes
+
+    x = torch.randn(2, 128, 32)
+    unsplit = peak([], x)
+    assert peak([FFSplit(splits=1, mode="sequence")], x) == unsplit == ALIVE[act] * 256 * 200 * 4
+    for splits in (2, 4):
+        rows = 256 // splits
+        expected = x.nbytes + rows * 32 * 4 + ALIVE[act] * rows * 200 * 4
+        assert peak([FFSplit(splits=splits, mode="sequence")], x) == expected, splits
+    one = torch.randn(2, 1, 32)
+    assert peak([FFSplit(splits=4, mode="sequence")], one) == peak([], one)
+
+
+@pytest.mark.parametrize("mode", ["hidden", "sequence"])
+def test_a_single_token_without_batch_or_token_axis_equals_the_unsplit_layer(mode):
+    """A 1-D input (one token's channels): sequence mode has no token axis to tile and runs the layer whole."""
+    torch.manual_seed(8)
+    ff = FeedForward(8, inner_dim=16, activation_fn="geglu")
+    x = torch.randn(8)
+    y0, g0 = _run(ff, x)
+    with FFSplit(splits=4, mode=mode).apply(ff):
+        y1, g1 = _run(ff, x)
+    assert y1.shape == (8,)
+    assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
