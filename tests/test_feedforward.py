@@ -844,3 +844,29 @@ def test_a_single_token_without_batch_or_token_axis_equals_the_unsplit_layer(mod
         y1, g1 = _run(ff, x)
     assert y1.shape == (8,)
     assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+@pytest.mark.parametrize("recompute", [None, False])
+def test_bf16_sums_of_many_chunks_are_accumulated_in_fp32(act, recompute):
+    """256 chunks of one inner unit each: the output and the input gradient are sums of 256 chunk products, which
+    bf16 accumulation would round 256 times (~5 ulps off, measured); summed in fp32 they stay within the
+    low-precision bound of the test above (2x the unsplit layer's error plus one ulp). The plain split's backward
+    (recompute=False) is autograd's, which sums the chunks' input gradients in bf16 (~4x the bound at 256
+    chunks, measured): only its output is held to the bound."""
+    torch.manual_seed(1)
+    ff64 = FeedForward(32, inner_dim=256, activation_fn=act).double()
+    ff = FeedForward(32, inner_dim=256, activation_fn=act).to(torch.bfloat16)
+    ff.load_state_dict({k: v.to(torch.bfloat16) for k, v in ff64.state_dict().items()})
+    ff64.load_state_dict({k: v.double() for k, v in ff.state_dict().items()})
+    x = torch.randn(2, 9, 32, dtype=torch.bfloat16)
+    ref, gref = _run(ff64, x.double())
+    y0, g0 = _run(ff, x)
+    with FFSplit(splits=256, recompute=recompute).apply(ff):
+        y1, g1 = _run(ff, x)
+    checked = len(gref) + 1 if recompute is None else 1
+    for r, a, b in list(zip([ref, *gref], [y0, *g0], [y1, *g1], strict=True))[:checked]:
+        ulp = r.abs().max().item() * torch.finfo(torch.bfloat16).eps
+        err0 = (a.double() - r).abs().max().item()
+        err1 = (b.double() - r).abs().max().item()
+        assert err1 <= 2 * err0 + ulp, (err0, err1)
