@@ -870,3 +870,32 @@ def test_bf16_sums_of_many_chunks_are_accumulated_in_fp32(act, recompute):
         err0 = (a.double() - r).abs().max().item()
         err1 = (b.double() - r).abs().max().item()
         assert err1 <= 2 * err0 + ulp, (err0, err1)
+
+
+@pytest.mark.parametrize("recompute", [None, False])
+def test_the_split_runs_where_the_model_is(recompute):
+    """A model on the meta device (as an estimate builds it) trains through the split: the output and every gradient
+    on that device, none made on the CPU by default."""
+    ff = FeedForward(8, inner_dim=16, activation_fn="geglu").to("meta")
+    x = torch.randn(2, 3, 8, device="meta", requires_grad=True)
+    with FFSplit(splits=4, recompute=recompute).apply(ff):
+        y = ff(x)
+        y.sum().backward()
+    assert y.device.type == "meta" and y.shape == (2, 3, 8)
+    for t in [x, *ff.parameters()]:
+        assert t.grad.device.type == "meta" and t.grad.shape == t.shape
+
+
+def test_sequence_mode_tiles_a_2d_input_along_its_tokens():
+    """(tokens, channels) without a batch axis: the tokens are the first axis, tiled as with a batch."""
+    torch.manual_seed(9)
+    ff = FeedForward(5, inner_dim=12, activation_fn="gelu")
+    x = torch.randn(7, 5)
+    y0, g0 = _run(ff, x)
+    seen, hook = _tiles_seen(ff.net[0].proj)
+    with FFSplit(splits=3, mode="sequence").apply(ff):
+        y1, g1 = _run(ff, x)
+    hook.remove()
+    assert [t.shape for t in seen] == [(3, 5), (2, 5), (2, 5)]
+    assert torch.equal(torch.cat(seen), x)
+    assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
