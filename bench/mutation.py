@@ -695,6 +695,17 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     "anyway); its text is tested",
     ("_forget", "_host_copies.pop(key, )"): "the entry is always there when its tensor dies: each entry's weakref "
     "is the only one with a callback, and an entry replaced while its tensor lives drops its weakref unfired",
+    # ---- optimizations/_ff_chunks.py
+    ("_RecomputedSplit.backward", "b1 = b1 if (ctx.has_b1) or True else None"): "save_for_backward gives back None "
+    "for the None it was given: without a bias b1 is None either way",
+    **{
+        (
+            "_sequence_split",
+            "tiles = [t for t in zip(*(torch.tensor_split(a, splits, dim=axis) for a in xs), "
+            f"{arg}) if t[0].shape[axis]]",
+        ): "tensor_split returns exactly splits pieces of every tensor, so the lists zipped have the same length"
+        for arg in ("strict=None", "", "strict=False")
+    },
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching
