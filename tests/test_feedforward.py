@@ -902,3 +902,36 @@ def test_sequence_mode_tiles_a_2d_input_along_its_tokens():
     assert [t.shape for t in seen] == [(3, 5), (2, 5), (2, 5)]
     assert torch.equal(torch.cat(seen), x)
     assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+@pytest.mark.parametrize(("recompute", "runs"), [(False, 1), (None, 2), (True, 2)])
+def test_flux_single_block_activation_runs_once_per_chunk_and_again_in_the_recomputing_backward(recompute, runs):
+    """A training step through a split Flux single block (inner 128, splits 4, 16 rows): the MLP activation runs on
+    each 32-column chunk in the forward, and once more per chunk in the backward only where it recomputes."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(2)
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    args = torch.randn(2, 5, 32), torch.randn(2, 3, 32), torch.randn(2, 32)
+    calls, hook = _tiles_seen(block.act_mlp)
+    with FFSplit(splits=4, recompute=recompute).apply(block):
+        _flux_single_block_run(block, *args)
+    hook.remove()
+    assert [tuple(t.shape) for t in calls] == [(16, 32)] * 4 * runs
+
+
+def test_flux_single_block_passes_the_attention_kwargs_on():
+    """``joint_attention_kwargs`` reach the attention (here a mask hiding the last three tokens), split or not."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(2)
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    args = torch.randn(2, 5, 32), torch.randn(2, 3, 32), torch.randn(2, 32)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    mask[..., 5:] = False
+    with torch.no_grad():
+        ref = block(*args, joint_attention_kwargs={"attention_mask": mask})
+        assert not _close(ref[1], block(*args)[1])  # the mask matters
+        with FFSplit(splits=2).apply(block):
+            got = block(*args, joint_attention_kwargs={"attention_mask": mask})
+    assert all(_close(a, b) for a, b in zip(ref, got, strict=True))
