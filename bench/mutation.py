@@ -695,6 +695,14 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     "anyway); its text is tested",
     ("_forget", "_host_copies.pop(key, )"): "the entry is always there when its tensor dies: each entry's weakref "
     "is the only one with a callback, and an entry replaced while its tensor lives drops its weakref unfired",
+    # ---- optimizations/feedforward.py
+    **{
+        ("FFSplit.apply", line): "the stack level only changes which line the warning names (under mutmut's "
+        "trampoline another frame anyway); its text is tested"
+        for line in (")", "stacklevel=3,")
+    },
+    ("FFSplit.apply", "missing = None"): "a module's own forward is never None (it is called), so None marks "
+    "'no forward of its own' as well as a fresh object",
     # ---- optimizations/_ff_chunks.py
     ("_RecomputedSplit.backward", "b1 = b1 if (ctx.has_b1) or True else None"): "save_for_backward gives back None "
     "for the None it was given: without a bias b1 is None either way",
