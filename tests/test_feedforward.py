@@ -599,7 +599,7 @@ def test_only_the_layer_shapes_it_can_split_are_found_with_their_parts():
     plain = _seq(nn.Linear(8, 32), nn.SiLU(), drop, nn.Linear(32, 8))
     ((_, _, mlp),) = find_mlps(plain)
     assert (mlp.proj, mlp.act, mlp.dropout, mlp.out, mlp.final_dropout) == (plain[0], plain[1], drop, plain[3], None)
-    assert not mlp.gated and mlp.inner == 32 and mlp.out_start == 0
+    assert mlp.gated is False and mlp.inner == 32 and mlp.out_start == 0
     not_mlps = [
         _seq(nn.Linear(8, 32), nn.GELU()),  # no out-projection
         _seq(nn.Linear(8, 32), nn.GELU(), nn.Dropout(), nn.Linear(32, 8), nn.Dropout()),  # five
@@ -623,6 +623,10 @@ def test_only_the_layer_shapes_it_can_split_are_found_with_their_parts():
     ff = FeedForward(8, inner_dim=16)
     ff.net.insert(1, nn.Linear(16, 16))  # two Linears after the activation
     assert find_mlps(ff) == []
+    ff = FeedForward(8, inner_dim=16)
+    ff.net = nn.ModuleList([ff.net[0], ff.net[2]])  # no Dropout at all: found, with none
+    ((_, _, mlp),) = find_mlps(ff)
+    assert (mlp.proj, mlp.out, mlp.dropout, mlp.final_dropout) == (ff.net[0].proj, ff.net[1], None, None)
 
 
 def test_flux_single_blocks_of_another_shape_or_class_are_not_split():
