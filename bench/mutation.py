@@ -111,6 +111,10 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         "memkit/optimizations/checkpointing.py",
         ("tests/test_checkpointing.py", "tests/test_checkpointing_offload.py"),
     ),
+    # FFSplit is two files: feedforward.py finds the layers and swaps their forwards, _ff_chunks.py computes the
+    # chunks. A target is one file or one glob, so each is its own entry, run against the same test file.
+    "feedforward": ("memkit/optimizations/feedforward.py", ("tests/test_feedforward.py",)),
+    "ff_chunks": ("memkit/optimizations/_ff_chunks.py", ("tests/test_feedforward.py",)),
 }
 """Module name -> (the file or glob mutmut mutates, the test files run against each mutant)."""
 
@@ -118,6 +122,8 @@ MARKERS: dict[str, str] = {
     # name: a pytest -m expression run against each mutant (its test files hold slow suites: every preset
     # trained, minutes per mutant, where a fast test already runs the same code path)
     "checkpointing": "not slow",
+    "feedforward": "not slow",
+    "ff_chunks": "not slow",
 }
 
 EQUIVALENT: dict[tuple[str, str], str] = {
@@ -689,6 +695,25 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     "anyway); its text is tested",
     ("_forget", "_host_copies.pop(key, )"): "the entry is always there when its tensor dies: each entry's weakref "
     "is the only one with a callback, and an entry replaced while its tensor lives drops its weakref unfired",
+    # ---- optimizations/feedforward.py
+    **{
+        ("FFSplit.apply", line): "the stack level only changes which line the warning names (under mutmut's "
+        "trampoline another frame anyway); its text is tested"
+        for line in (")", "stacklevel=3,")
+    },
+    ("FFSplit.apply", "missing = None"): "a module's own forward is never None (it is called), so None marks "
+    "'no forward of its own' as well as a fresh object",
+    # ---- optimizations/_ff_chunks.py
+    ("_RecomputedSplit.backward", "b1 = b1 if (ctx.has_b1) or True else None"): "save_for_backward gives back None "
+    "for the None it was given: without a bias b1 is None either way",
+    **{
+        (
+            "_sequence_split",
+            "tiles = [t for t in zip(*(torch.tensor_split(a, splits, dim=axis) for a in xs), "
+            f"{arg}) if t[0].shape[axis]]",
+        ): "tensor_split returns exactly splits pieces of every tensor, so the lists zipped have the same length"
+        for arg in ("strict=None", "", "strict=False")
+    },
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching

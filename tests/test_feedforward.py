@@ -531,3 +531,414 @@ def test_blocks_whose_mlp_it_cannot_split_are_named_in_a_warning(preset, block):
     with pytest.warns(UserWarning, match=match):
         handle = memkit.FFSplit(splits=2).apply(model)
     handle.remove()
+
+
+def test_bad_arguments_are_refused_naming_the_argument_and_the_allowed_values():
+    """Each message in full (a search for part of it would pass a message with text around it)."""
+    for splits, kind in ((True, "bool"), (2.0, "float"), ("4", "str")):
+        with pytest.raises(TypeError, match=rf"^splits must be an int >= 1, got {kind}$"):
+            FFSplit(splits=splits)
+    with pytest.raises(ValueError, match=r"^splits must be >= 1, got 0$"):
+        FFSplit(splits=0)
+    with pytest.raises(ValueError, match=r"^mode must be one of \['hidden', 'sequence'\], got 'tokens'$"):
+        FFSplit(mode="tokens")
+    with pytest.raises(ValueError, match=r"^recompute must be None, True or False, got 'yes'$"):
+        FFSplit(recompute="yes")
+    assert FFSplit(splits=1, recompute=True).splits == 1
+    with pytest.raises(
+        ValueError, match=r"^ff-split value must be SPLITS or SPLITS:MODE \(e\.g\. '4', '4:sequence'\), "
+    ):
+        FFSplit.parse("four")
+    with pytest.raises(ValueError, match=r"^ff-split value must be SPLITS or SPLITS:MODE .*, got 'x:sequence'$"):
+        FFSplit.parse("x:sequence")
+    with pytest.raises(ValueError, match=r"^mode must be one of"):
+        FFSplit.parse("4:tokens")
+    assert FFSplit.parse("4") == FFSplit(splits=4, mode="hidden")
+    assert FFSplit.parse("8:sequence") == FFSplit(splits=8, mode="sequence")
+    assert str(FFSplit(splits=8, mode="sequence")) == "ff-split:8:sequence"
+    assert str(FFSplit(splits=2)) == "ff-split:2"
+
+
+def test_splits_at_most_the_inner_dimension_in_hidden_mode_only():
+    """``splits`` equal to the inner dimension runs (one unit per chunk); one more is refused, naming the layer (the
+    model's class for the model itself); sequence mode tiles tokens, so any count runs."""
+    ff = FeedForward(4, inner_dim=16)
+    x = torch.randn(2, 3, 4)
+    y0, g0 = _run(ff, x)
+    for opts in (FFSplit(splits=16), FFSplit(splits=17, mode="sequence")):
+        with opts.apply(ff) as handle:
+            y1, g1 = _run(ff, x)
+        assert handle.name == str(opts)
+        assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
+    message = r"^splits must be at most the inner dimension of every feed-forward layer, got splits=17 > 16 \({}\)$"
+    with pytest.raises(ValueError, match=message.format("FeedForward")):
+        FFSplit(splits=17).apply(ff)
+    with pytest.raises(ValueError, match=message.format("mlp")):
+        FFSplit(splits=17).apply(torch.nn.ModuleDict({"mlp": ff}))
+    assert "forward" not in vars(ff)
+
+
+def test_a_model_without_a_feedforward_layer_is_refused_in_full():
+    with pytest.raises(ValueError) as info:
+        FFSplit().apply(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert str(info.value) == (
+        "ff-split found no feed-forward layer to split in Sequential: it splits diffusers' FeedForward (Linear, "
+        "activation, Linear) and Flux's single-block MLP; this model's feed-forward, if any, is another kind (Sana's "
+        "GLUMBConv is convolutions)"
+    )
+
+
+def _seq(*modules):
+    return torch.nn.Sequential(*modules)
+
+
+def test_only_the_layer_shapes_it_can_split_are_found_with_their_parts():
+    """Plain MLPs: Linear, activation, [Dropout], Linear, the second reading the first's outputs. diffusers
+    FeedForward: one activation projection, one Linear, Dropouts only. Each found layer's parts are the model's own
+    modules (the split reads their weights)."""
+    from torch import nn
+
+    drop = nn.Dropout(0.1)
+    plain = _seq(nn.Linear(8, 32), nn.SiLU(), drop, nn.Linear(32, 8))
+    ((_, _, mlp),) = find_mlps(plain)
+    assert (mlp.proj, mlp.act, mlp.dropout, mlp.out, mlp.final_dropout) == (plain[0], plain[1], drop, plain[3], None)
+    assert mlp.gated is False and mlp.inner == 32 and mlp.out_start == 0
+    not_mlps = [
+        _seq(nn.Linear(8, 32), nn.GELU()),  # no out-projection
+        _seq(nn.Linear(8, 32), nn.GELU(), nn.Dropout(), nn.Linear(32, 8), nn.Dropout()),  # five
+        _seq(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 8)),  # no activation
+        _seq(nn.Identity(), nn.GELU(), nn.Linear(8, 8)),  # no input projection
+        _seq(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 8)),  # a Linear where Dropout goes
+        _seq(nn.Linear(8, 32), nn.GELU(), nn.Dropout(), nn.GELU()),  # no out-projection
+        _seq(nn.Linear(8, 32), nn.GELU(), nn.Linear(16, 8)),  # the out-projection reads another width
+    ]
+    for module in not_mlps:
+        assert find_mlps(module) == [], module
+    ff = FeedForward(8, inner_dim=16, activation_fn="geglu", dropout=0.1, final_dropout=True)
+    ((_, _, mlp),) = find_mlps(ff)
+    assert (mlp.proj, mlp.dropout, mlp.out, mlp.final_dropout) == (ff.net[0].proj, ff.net[1], ff.net[2], ff.net[3])
+    assert mlp.gated and mlp.inner == 16
+    for act in ACTIVATIONS:
+        ((_, _, mlp),) = find_mlps(FeedForward(8, inner_dim=16, activation_fn=act))
+        assert mlp.gated == (act in ("geglu", "swiglu")) and mlp.inner == 16, act  # geglu-approximate: sigmoid GELU
+    ff.net.append(nn.Identity())  # a module neither Dropout nor the out-projection
+    assert find_mlps(ff) == []
+    ff = FeedForward(8, inner_dim=16)
+    ff.net.insert(1, nn.Linear(16, 16))  # two Linears after the activation
+    assert find_mlps(ff) == []
+    ff = FeedForward(8, inner_dim=16)
+    ff.net = nn.ModuleList([ff.net[0], ff.net[2]])  # no Dropout at all: found, with none
+    ((_, _, mlp),) = find_mlps(ff)
+    assert (mlp.proj, mlp.out, mlp.dropout, mlp.final_dropout) == (ff.net[0].proj, ff.net[1], None, None)
+
+
+def test_flux_single_blocks_of_another_shape_or_class_are_not_split():
+    """Only Flux's own single block whose ``proj_out`` reads ``[attention (dim), mlp (inner)]`` and whose activation
+    is a known one: a subclass may compute otherwise."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    class Sub(FluxSingleTransformerBlock):
+        pass
+
+    assert find_mlps(Sub(32, 2, 16)) == []
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    block.act_mlp = torch.nn.Identity()
+    assert find_mlps(block) == []
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    block.proj_mlp = torch.nn.Linear(16, 128)  # proj_out's first 32 columns would not be the attention's
+    assert find_mlps(block) == []
+
+
+def test_the_final_dropout_acts_once_on_the_summed_output():
+    """p=1 in training: the final dropout zeroes the whole output (the unsplit layer's too); without it the split
+    would leave the out-projection's bias. A plain MLP's dropout with p=1 leaves exactly that bias."""
+    ff = FeedForward(8, inner_dim=16, activation_fn="gelu", dropout=1.0, final_dropout=True).train()
+    x = torch.randn(3, 8)
+    assert torch.equal(ff(x), torch.zeros(3, 8))
+    for splits in (1, 4):
+        with FFSplit(splits=splits).apply(ff):
+            assert torch.equal(ff(x), torch.zeros(3, 8))
+    mlp = _seq(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(1.0), torch.nn.Linear(16, 8)).train()
+    with FFSplit(splits=4).apply(mlp):
+        assert torch.equal(mlp(x), mlp[3].bias.expand(3, 8))
+
+
+def test_sequence_mode_passes_the_callers_extra_arguments_to_the_layer():
+    """Each tile runs the layer's own forward with the call's other arguments (diffusers' FeedForward warns about
+    a ``scale`` it is given, split or not)."""
+    ff = FeedForward(8, inner_dim=16)
+    x = torch.randn(2, 6, 8)
+    with FFSplit(splits=3, mode="sequence").apply(ff):
+        with pytest.warns(FutureWarning, match="scale"):
+            ff(x, scale=1.0)
+        with pytest.warns(FutureWarning, match="scale"):
+            ff(x, 1.0)
+
+
+def test_remove_puts_back_a_forward_the_instance_had_before():
+    ff = FeedForward(8, inner_dim=16)
+    own = ff.forward  # a bound method stored on the instance, as another wrapper would leave it
+    ff.forward = own
+    with FFSplit(splits=2).apply(ff):
+        assert vars(ff)["forward"] is not own
+    assert vars(ff)["forward"] is own
+    plain = FeedForward(8, inner_dim=16)
+    with FFSplit(splits=2).apply(plain):
+        pass
+    assert "forward" not in vars(plain)
+
+
+def test_flux_single_block_with_rotary_embedding_equals_the_unsplit_block():
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(5)
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    hs, ehs, temb = torch.randn(2, 4, 32), torch.randn(2, 3, 32), torch.randn(2, 32)
+    rotary = torch.randn(7, 16), torch.randn(7, 16)
+    with torch.no_grad():
+        ref = block(hs, ehs, temb, image_rotary_emb=rotary)
+        plain = block(hs, ehs, temb)
+        assert not _close(ref[1], plain[1])  # the embedding matters
+        for mode in ("hidden", "sequence"):
+            with FFSplit(splits=2, mode=mode).apply(block):
+                got = block(hs, ehs, temb, image_rotary_emb=rotary)
+            assert all(_close(a, b) for a, b in zip(ref, got, strict=True)), mode
+
+
+def test_flux_single_block_clips_fp16_outputs_as_the_unsplit_block_and_fp32_not_at_all():
+    """fp16: outputs past fp16's largest finite value are clipped to it, as diffusers' block does (no inf). fp32
+    outputs are never clipped. (A large gate makes them large: large out-projection weights would overflow a
+    chunk's fp16 partial sum, which the split rounds once per chunk, before the unsplit layer's whole sum does.)"""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(0)
+    block = FluxSingleTransformerBlock(32, 2, 16).half()
+    block.norm.linear.weight.data[64:] *= 2e5  # the gate's rows: outputs past fp16's largest value, both signs
+    block.norm.linear.bias.data[64:] *= 2e5
+    hs, ehs, temb = torch.randn(2, 4, 32).half(), torch.randn(2, 3, 32).half(), torch.randn(2, 32).half()
+    with torch.no_grad():
+        _, ref = block(hs, ehs, temb)
+        with FFSplit(splits=2).apply(block):
+            _, got = block(hs, ehs, temb)
+    assert (ref == 65504).any() and (ref == -65504).any()
+    assert torch.equal(ref == 65504, got == 65504) and torch.equal(ref == -65504, got == -65504)
+    assert got.isfinite().all()
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    hs = torch.randn(2, 4, 32) * 1e6
+    with torch.no_grad():
+        _, ref = block(hs, ehs.float(), temb.float())
+        with FFSplit(splits=2).apply(block):
+            _, got = block(hs, ehs.float(), temb.float())
+    assert ref.abs().max() > 65504 and _close(ref, got)
+
+
+def test_weights_stored_quantized_are_refused_naming_the_layer():
+    """fp8 or int8 storage, bitsandbytes' ``quant_state``, a tensor subclass (torchao): the split slices the weight
+    itself. Only Linear layers' weights count: a Flux block's fp8 norm weight is not a quantized projection."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    class Packed(torch.Tensor):
+        pass
+
+    def refused(change, where="mlp.net.0.proj"):
+        ff = FeedForward(8, inner_dim=16)
+        model = torch.nn.ModuleDict({"mlp": ff})
+        change(ff.net[0].proj)
+        with pytest.raises(ValueError, match=rf"^ff-split cannot split {where}: its weight is stored quantized \("):
+            FFSplit(splits=2).apply(model)
+        return ff
+
+    def cast(dtype):
+        return lambda layer: setattr(layer, "weight", torch.nn.Parameter(layer.weight.to(dtype), requires_grad=False))
+
+    refused(cast(torch.float8_e4m3fn))
+    refused(cast(torch.int8))
+    refused(lambda layer: setattr(layer.weight, "quant_state", object()))
+    refused(lambda layer: setattr(layer, "weight", torch.nn.Parameter(layer.weight.detach().as_subclass(Packed))))
+    ff = FeedForward(8, inner_dim=16)
+    cast(torch.float8_e4m3fn)(ff.net[2])
+    with pytest.raises(ValueError) as info:
+        FFSplit(splits=2).apply(ff)
+    assert str(info.value) == (
+        "ff-split cannot split net.2: its weight is stored quantized (Tensor, torch.float8_e4m3fn) and the split "
+        "slices the weight itself; ff-split and memkit.Quantize do not compose, leave one of them out"
+    )
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    norm = block.attn.norm_q
+    norm.weight = torch.nn.Parameter(norm.weight.to(torch.float8_e4m3fn), requires_grad=False)
+    FFSplit(splits=2).apply(block).remove()
+
+
+def test_blocks_it_cannot_split_are_counted_and_named_in_full():
+    """A block class it has no rewrite for (matched by class name) is counted per class in one warning each,
+    with the reason, and the number of layers it does split."""
+    ZImage = type("ZImageTransformerBlock", (torch.nn.Module,), {})
+    model = torch.nn.ModuleDict({"a": ZImage(), "b": ZImage(), "ff": FeedForward(8, inner_dim=16)})
+    with pytest.warns(UserWarning) as record:
+        FFSplit(splits=2).apply(model).remove()
+    assert [str(w.message) for w in record] == [
+        "ff-split leaves the MLP of 2 ZImageTransformerBlock blocks whole (a SwiGLU feed-forward, w1 and w3 into w2: "
+        "a forward it has no rewrite for); it splits the other 1 feed-forward layers"
+    ]
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+def test_float64_outputs_and_gradients_equal_the_unsplit_layer_to_double_precision(act):
+    """fp64 is computed and accumulated in fp64 (only fp16 and bf16 chunks are summed in fp32): within 1e-12."""
+    torch.manual_seed(6)
+    ff = FeedForward(16, inner_dim=48, activation_fn=act).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y0, g0 = _run(ff, x)
+    for recompute in (None, False):
+        with FFSplit(splits=4, recompute=recompute).apply(ff):
+            y1, g1 = _run(ff, x)
+        assert y1.dtype == torch.float64
+        for a, b in zip([y0, *g0], [y1, *g1], strict=True):
+            assert _close(a, b, rel=1e-12), recompute
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+@pytest.mark.parametrize("frozen", ["input", "proj.weight", "proj.bias", "out.weight"])
+def test_the_recomputed_backward_makes_no_gradient_buffer_for_a_frozen_tensor(act, frozen):
+    """A training step's peak (the recomputing backward holds every gradient buffer to its end) is lower by exactly
+    the bytes of the one tensor that needs no gradient: the input (a model's first layer), or a frozen weight."""
+    torch.manual_seed(7)
+
+    def peak(frozen):
+        ff = FeedForward(32, inner_dim=200, activation_fn=act)
+        x = torch.randn(2, 128, 32, requires_grad=frozen != "input")
+        tensors = {"input": x, "proj.weight": ff.net[0].proj.weight, "proj.bias": ff.net[0].proj.bias}
+        tensors["out.weight"] = ff.net[2].weight
+        if frozen != "input" and frozen is not None:
+            tensors[frozen].requires_grad_(False)
+        with FFSplit(splits=4).apply(ff), memkit.track(ff) as tl:
+            ff(x).sum().backward()
+        return tl.peak_bytes, tensors[frozen or "input"].nbytes
+
+    trained, _ = peak(None)
+    lower, nbytes = peak(frozen)
+    assert trained - lower == nbytes
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+def test_sequence_mode_peak_is_the_output_one_tile_output_and_one_tiles_intermediates(act):
+    """no_grad, 256 tokens: splits=s holds the whole output, the first tile's output (kept until the end) and
+    ALIVE[act] intermediates of one tile (256 / s rows). One tile (splits=1, or a single token) runs the layer
+    whole: the unsplit peak, with no output buffer beside it."""
+    ff = FeedForward(32, inner_dim=200, activation_fn=act)
+
+    def peak(opts, x):
+        with torch.no_grad(), _apply(ff, opts), memkit.track(ff, inputs=x) as tl:
+            ff(x)
+        return tl.peak_bytes - tl.baseline_bytes
+
+    x = torch.randn(2, 128, 32)
+    unsplit = peak([], x)
+    assert peak([FFSplit(splits=1, mode="sequence")], x) == unsplit == ALIVE[act] * 256 * 200 * 4
+    for splits in (2, 4):
+        rows = 256 // splits
+        expected = x.nbytes + rows * 32 * 4 + ALIVE[act] * rows * 200 * 4
+        assert peak([FFSplit(splits=splits, mode="sequence")], x) == expected, splits
+    one = torch.randn(2, 1, 32)
+    assert peak([FFSplit(splits=4, mode="sequence")], one) == peak([], one)
+
+
+@pytest.mark.parametrize("mode", ["hidden", "sequence"])
+def test_a_single_token_without_batch_or_token_axis_equals_the_unsplit_layer(mode):
+    """A 1-D input (one token's channels): sequence mode has no token axis to tile and runs the layer whole."""
+    torch.manual_seed(8)
+    ff = FeedForward(8, inner_dim=16, activation_fn="geglu")
+    x = torch.randn(8)
+    y0, g0 = _run(ff, x)
+    with FFSplit(splits=4, mode=mode).apply(ff):
+        y1, g1 = _run(ff, x)
+    assert y1.shape == (8,)
+    assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+@pytest.mark.parametrize("act", ["gelu", "geglu"])
+@pytest.mark.parametrize("recompute", [None, False])
+def test_bf16_sums_of_many_chunks_are_accumulated_in_fp32(act, recompute):
+    """256 chunks of one inner unit each: the output and the input gradient are sums of 256 chunk products, which
+    bf16 accumulation would round 256 times (~5 ulps off, measured); summed in fp32 they stay within the
+    low-precision bound of the test above (2x the unsplit layer's error plus one ulp). The plain split's backward
+    (recompute=False) is autograd's, which sums the chunks' input gradients in bf16 (~4x the bound at 256
+    chunks, measured): only its output is held to the bound."""
+    torch.manual_seed(1)
+    ff64 = FeedForward(32, inner_dim=256, activation_fn=act).double()
+    ff = FeedForward(32, inner_dim=256, activation_fn=act).to(torch.bfloat16)
+    ff.load_state_dict({k: v.to(torch.bfloat16) for k, v in ff64.state_dict().items()})
+    ff64.load_state_dict({k: v.double() for k, v in ff.state_dict().items()})
+    x = torch.randn(2, 9, 32, dtype=torch.bfloat16)
+    ref, gref = _run(ff64, x.double())
+    y0, g0 = _run(ff, x)
+    with FFSplit(splits=256, recompute=recompute).apply(ff):
+        y1, g1 = _run(ff, x)
+    checked = len(gref) + 1 if recompute is None else 1
+    for r, a, b in list(zip([ref, *gref], [y0, *g0], [y1, *g1], strict=True))[:checked]:
+        ulp = r.abs().max().item() * torch.finfo(torch.bfloat16).eps
+        err0 = (a.double() - r).abs().max().item()
+        err1 = (b.double() - r).abs().max().item()
+        assert err1 <= 2 * err0 + ulp, (err0, err1)
+
+
+@pytest.mark.parametrize("recompute", [None, False])
+def test_the_split_runs_where_the_model_is(recompute):
+    """A model on the meta device (as an estimate builds it) trains through the split: the output and every gradient
+    on that device, none made on the CPU by default."""
+    ff = FeedForward(8, inner_dim=16, activation_fn="geglu").to("meta")
+    x = torch.randn(2, 3, 8, device="meta", requires_grad=True)
+    with FFSplit(splits=4, recompute=recompute).apply(ff):
+        y = ff(x)
+        y.sum().backward()
+    assert y.device.type == "meta" and y.shape == (2, 3, 8)
+    for t in [x, *ff.parameters()]:
+        assert t.grad.device.type == "meta" and t.grad.shape == t.shape
+
+
+def test_sequence_mode_tiles_a_2d_input_along_its_tokens():
+    """(tokens, channels) without a batch axis: the tokens are the first axis, tiled as with a batch."""
+    torch.manual_seed(9)
+    ff = FeedForward(5, inner_dim=12, activation_fn="gelu")
+    x = torch.randn(7, 5)
+    y0, g0 = _run(ff, x)
+    seen, hook = _tiles_seen(ff.net[0].proj)
+    with FFSplit(splits=3, mode="sequence").apply(ff):
+        y1, g1 = _run(ff, x)
+    hook.remove()
+    assert [t.shape for t in seen] == [(3, 5), (2, 5), (2, 5)]
+    assert torch.equal(torch.cat(seen), x)
+    assert _close(y0, y1) and all(_close(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+@pytest.mark.parametrize(("recompute", "runs"), [(False, 1), (None, 2), (True, 2)])
+def test_flux_single_block_activation_runs_once_per_chunk_and_again_in_the_recomputing_backward(recompute, runs):
+    """A training step through a split Flux single block (inner 128, splits 4, 16 rows): the MLP activation runs on
+    each 32-column chunk in the forward, and once more per chunk in the backward only where it recomputes."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(2)
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    args = torch.randn(2, 5, 32), torch.randn(2, 3, 32), torch.randn(2, 32)
+    calls, hook = _tiles_seen(block.act_mlp)
+    with FFSplit(splits=4, recompute=recompute).apply(block):
+        _flux_single_block_run(block, *args)
+    hook.remove()
+    assert [tuple(t.shape) for t in calls] == [(16, 32)] * 4 * runs
+
+
+def test_flux_single_block_passes_the_attention_kwargs_on():
+    """``joint_attention_kwargs`` reach the attention (here a mask hiding the last three tokens), split or not."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    torch.manual_seed(2)
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    args = torch.randn(2, 5, 32), torch.randn(2, 3, 32), torch.randn(2, 32)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    mask[..., 5:] = False
+    with torch.no_grad():
+        ref = block(*args, joint_attention_kwargs={"attention_mask": mask})
+        assert not _close(ref[1], block(*args)[1])  # the mask matters
+        with FFSplit(splits=2).apply(block):
+            got = block(*args, joint_attention_kwargs={"attention_mask": mask})
+    assert all(_close(a, b) for a, b in zip(ref, got, strict=True))

@@ -185,7 +185,9 @@ def _sequence_split(fn: Callable, xs: tuple[torch.Tensor, ...], splits: int) -> 
     """``fn`` on ``splits`` tiles of the token axis (the second to last of ``xs[0]``; every tensor of ``xs`` is
     tiled alike; uneven tiles allowed), concatenated."""
     x = xs[0]
-    axis = x.ndim - 2 if x.ndim >= 2 else 0
+    if x.ndim < 2:  # one token without a token axis (its only axis is the channels'): nothing to tile
+        return fn(*xs)
+    axis = x.ndim - 2
     tiles = [t for t in zip(*(torch.tensor_split(a, splits, dim=axis) for a in xs), strict=True) if t[0].shape[axis]]
     if len(tiles) <= 1:
         return fn(*xs)
