@@ -637,6 +637,16 @@ def test_flux_single_blocks_of_another_shape_or_class_are_not_split():
     class Sub(FluxSingleTransformerBlock):
         pass
 
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    ((_, _, mlp),) = find_mlps(block)
+    assert (mlp.proj, mlp.act, mlp.out, mlp.dropout, mlp.final_dropout) == (
+        block.proj_mlp,
+        block.act_mlp,
+        block.proj_out,
+        None,
+        None,
+    )
+    assert mlp.gated is False and mlp.out_start == 32 and mlp.inner == 128
     assert find_mlps(Sub(32, 2, 16)) == []
     block = FluxSingleTransformerBlock(32, 2, 16)
     block.act_mlp = torch.nn.Identity()
