@@ -849,6 +849,14 @@ def test_sequence_mode_peak_is_the_output_one_tile_output_and_one_tiles_intermed
     one = torch.randn(2, 1, 32)
     assert peak([FFSplit(splits=4, mode="sequence")], one) == peak([], one)
 
+    def allocations(opts, x):
+        with torch.no_grad(), _apply(ff, opts), memkit.track(ff, inputs=x) as tl:
+            ff(x)
+        return list(tl.signed_bytes)
+
+    small = torch.randn(2, 16, 32)  # one tile: the layer's own allocations, in order, and no output copy
+    assert allocations([FFSplit(splits=1, mode="sequence")], small) == allocations([], small)
+
 
 @pytest.mark.parametrize("mode", ["hidden", "sequence"])
 def test_a_single_token_without_batch_or_token_axis_equals_the_unsplit_layer(mode):
