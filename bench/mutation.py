@@ -707,6 +707,21 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("_RecomputedSplit.backward", "b1 = b1 if (ctx.has_b1) or True else None"): "save_for_backward gives back None "
     "for the None it was given: without a bias b1 is None either way",
     **{
+        ("_RecomputedSplit.backward", f"for (r0, r1), g in zip(rows, grads, {arg}):"): "one row range per part "
+        "the gradients are taken of (one, or two gated): the same length by construction"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    ("_RecomputedSplit.backward", "gx = gx.to(None)"): "autograd casts a Function's returned gradient to its "
+    "input's dtype anyway (fp32-accumulated bf16/fp16 gradients come back in the input's dtype)",
+    **{
+        ("_MLP.params", line): "find_mlps returns only layers whose out-projection reads exactly the inner columns "
+        "(out_start 0) or starts at out_start > 0 (Flux): slicing all columns is a view of the same values"
+        for line in (
+            "if self.out_start and w2.shape[1] != self.inner:",
+            "if self.out_start or w2.shape[1] == self.inner:",
+        )
+    },
+    **{
         (
             "_sequence_split",
             "tiles = [t for t in zip(*(torch.tensor_split(a, splits, dim=axis) for a in xs), "

@@ -640,6 +640,16 @@ def test_flux_single_blocks_of_another_shape_or_class_are_not_split():
     class Sub(FluxSingleTransformerBlock):
         pass
 
+    block = FluxSingleTransformerBlock(32, 2, 16)
+    ((_, _, mlp),) = find_mlps(block)
+    assert (mlp.proj, mlp.act, mlp.out, mlp.dropout, mlp.final_dropout) == (
+        block.proj_mlp,
+        block.act_mlp,
+        block.proj_out,
+        None,
+        None,
+    )
+    assert mlp.gated is False and mlp.out_start == 32 and mlp.inner == 128
     assert find_mlps(Sub(32, 2, 16)) == []
     block = FluxSingleTransformerBlock(32, 2, 16)
     block.act_mlp = torch.nn.Identity()
@@ -841,6 +851,14 @@ def test_sequence_mode_peak_is_the_output_one_tile_output_and_one_tiles_intermed
         assert peak([FFSplit(splits=splits, mode="sequence")], x) == expected, splits
     one = torch.randn(2, 1, 32)
     assert peak([FFSplit(splits=4, mode="sequence")], one) == peak([], one)
+
+    def allocations(opts, x):
+        with torch.no_grad(), _apply(ff, opts), memkit.track(ff, inputs=x) as tl:
+            ff(x)
+        return list(tl.signed_bytes)
+
+    small = torch.randn(2, 16, 32)  # one tile: the layer's own allocations, in order, and no output copy
+    assert allocations([FFSplit(splits=1, mode="sequence")], small) == allocations([], small)
 
 
 @pytest.mark.parametrize("mode", ["hidden", "sequence"])
