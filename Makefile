@@ -53,13 +53,13 @@ NOTEBOOKS_LONGEST_FIRST := $(NOTEBOOKS_FIRST) $(filter-out $(NOTEBOOKS_FIRST),$(
 # CI past 20 minutes; `make coverage` measures it.
 test: $(STAMP)
 	$(BIN)/ruff check memkit tests bench
-	$(MAKE) --no-print-directory $(COLAB_STAMP) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
+	$(MAKE) --no-print-directory $(COLAB_FINETUNE) > $(COLAB_VENV).log 2>&1 & colab=$$!; \
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not extended" -n $(TEST_WORKERS) \
 		--dist worksteal --durations=15 \
 	&& MEMKIT_SMOKE=1 PLOTLY_RENDERER=json $(BIN)/python -m pytest --nbval-lax -n $(TEST_WORKERS) --dist loadfile \
 		$(NOTEBOOKS_LONGEST_FIRST) \
 	&& { wait $$colab || { tail -50 $(COLAB_VENV).log; echo "creating $(COLAB_VENV) failed"; exit 1; }; }
-	$(MAKE) browser-test colab-test
+	$(MAKE) browser-test colab-test-all
 
 # The edit-test loop: the unit tests not marked slow (the `slow` marker, pyproject.toml: every preset trained, the
 # CPU-path subprocesses, fresh interpreters, the README, tests of several seconds, and the cases of parametrized suites
@@ -101,11 +101,11 @@ coverage: $(STAMP)
 browser-test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider tests/browser
 
-# A second environment with Colab's widget and plotly versions (constraints-colab.txt) and, for colab-test-all, what
-# the notebooks' own %pip lines install there (memkit with the fine-tuning extra, which 00, 08 and 09 need): the app's
-# static-figure path checked and the Playground notebook (06) run under nbval, in `make test` and CI. `make
-# colab-test-all` runs every notebook's quick run there, in TEST_WORKERS workers longest first as in `make test`
-# (~2.5 minutes on 2 cores, as long as the main environment's notebook pass: CI would go ~2 minutes further past 20).
+# A second environment with Colab's widget and plotly versions (constraints-colab.txt) and what the notebooks' own
+# %pip lines install there (memkit with the fine-tuning extra, which 00, 08 and 09 need): `make colab-test-all`, run by
+# `make test` and CI, checks the app's static-figure path and runs every notebook's quick run there, in TEST_WORKERS
+# workers longest first as in `make test` (~2.5 minutes on 2 cores). `make colab-test`: the Playground notebook (06)
+# alone, without the fine-tuning extra (~35 s).
 COLAB_VENV := .venv-colab
 COLAB_STAMP := $(COLAB_VENV)/.installed
 
@@ -116,8 +116,8 @@ $(COLAB_STAMP): pyproject.toml constraints.txt constraints-colab.txt
 		"nbval>=0.11"
 	touch $(COLAB_STAMP)
 
-# The fine-tuning extra (peft, transformers, bitsandbytes, torchao: notebooks 00, 08 and 09 install it on Colab) only
-# for colab-test-all: notebook 06 needs none of it, and CI's background build of the venv stays as small as it was.
+# The fine-tuning extra (peft, transformers, bitsandbytes, torchao: notebooks 00, 08 and 09 install it on Colab), for
+# colab-test-all; notebook 06 needs none of it.
 COLAB_FINETUNE := $(COLAB_VENV)/.installed-finetune
 
 $(COLAB_FINETUNE): $(COLAB_STAMP)
@@ -194,7 +194,7 @@ lint: $(STAMP)
 # as the Playground's screenshot (notebooks/_store.py: GitHub cannot draw a live widget).
 # Needs Chromium for kaleido (Debian: apt-get install chromium).
 notebooks: $(STAMP)
-	BROWSER_PATH=$${BROWSER_PATH:-/usr/bin/chromium} PLOTLY_RENDERER=png $(BIN)/jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb
+	BROWSER_PATH=$${BROWSER_PATH:-/usr/bin/chromium} PLOTLY_RENDERER=png+json $(BIN)/jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb
 	$(BIN)/python notebooks/_store.py notebooks/*.ipynb
 
 bench: $(STAMP)

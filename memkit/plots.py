@@ -277,7 +277,9 @@ def timeline_figure(
         for i, (name, t0, t1) in enumerate(spans):
             # First in the legend, in the order of PHASES. A group each: a horizontal legend stacks a group's
             # entries in a column of their own (four rows, in a short figure).
-            legend = {"name": name, "legendgroup": f"phase {name}", "legendrank": PHASES.index(name)}
+            # a phase named as a category ("ema": the EMA's update) says which it is: a legend names each once
+            shown = f"{name} (phase)" if name in CATEGORIES else name
+            legend = {"name": shown, "legendgroup": f"phase {name}", "legendrank": PHASES.index(name)}
             legend["showlegend"] = first[name] == i
             shapes.append({**rect, **legend, "x0": t0, "x1": t1, "fillcolor": PHASE_COLORS[name]})
         fig.update_layout(shapes=shapes)  # one update: add_shape per span is quadratic
@@ -454,6 +456,8 @@ def comparison_figure(comparison: Any, *, unit: Unit = "MiB", max_points: int = 
     if not all(passed for _, _, passed in rows):
         title += "; ✗: outputs or gradients outside tolerance"
     fig.update_layout(title=title, barmode="stack", hovermode="closest", legend_traceorder="normal", **_LAYOUT)
+    for subplot_title in fig.layout.annotations[:2]:  # above the y axis's top tick label, which reaches up ~8 px
+        subplot_title.yshift = 10
     top = max(sum(p.values()) for p in peaks) / div
     fig.update_yaxes(title_text=unit, range=[0, 1.25 * top or 1], row=1, col=1)  # room for the annotations
     fig.update_xaxes(type="category", row=1, col=1)

@@ -7,12 +7,20 @@ line saying it is a picture, and the notebook's widget state is dropped. Run liv
 the app itself. A progress bar (``tqdm.auto``'s widget, which memkit's long calls show with ``progress=True``) is
 dropped instead: it is there while the cell runs, and a finished cell has nothing to show of it.
 
+A plotly figure is stored as its PNG (``make notebooks`` runs with ``PLOTLY_RENDERER=png+json``). Its plotly JSON
+(``application/json``, the figure itself) leaves the notebook for ``figures/<notebook>.json`` beside it, with the
+cell it came from and the SHA-256 of the PNG it was drawn as: ``tests/browser/test_figure_layout.py`` draws each
+stored figure with plotly.js at 700, 800 and 1400 px and fails on overlapping or clipped text, and
+``tests/test_notebook_text.py`` fails when a stored PNG has no such record (a notebook stored without the JSON, or
+a record of an older run).
+
 Usage: ``python notebooks/_store.py notebooks/*.ipynb``
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import re
@@ -21,6 +29,7 @@ from pathlib import Path
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 SCREENSHOT = Path(__file__).resolve().parent / "screenshots" / "playground.png"
+FIGURES = "figures"  # folder beside the notebooks: <notebook stem>.json, the figures of that notebook
 # tqdm's text form of a bar, what a widget-view output's text/plain holds for it: "desc:  40%|####  | 4/10 [00:02<...]"
 PROGRESS = re.compile(r"\d+%\|.*\| *[\d.?]+\w*/[\d.?]+\w* \[")
 SCALE = 0.5  # of the screenshot's size: 424 pixels wide, the whole app (controls, buttons, table, timeline)
@@ -49,16 +58,35 @@ def _progress_bar(output: dict) -> bool:
     return WIDGET in data and PROGRESS.search("".join(data.get("text/plain", ""))) is not None
 
 
+def png_sha256(data: dict) -> str:
+    """The SHA-256 of an output's PNG (its base64 text as stored, joined when stored as a list of lines)."""
+    png = data["image/png"]
+    return hashlib.sha256("".join(png).strip().encode()).hexdigest()
+
+
+def _plotly_figure(data: dict) -> dict | None:
+    figure = data.get("application/json")
+    if isinstance(figure, dict) and "data" in figure and "layout" in figure and "image/png" in data:
+        return figure
+    return None
+
+
 def store(path: Path) -> int:
-    """Rewrite ``path`` in place; returns how many widget outputs were replaced (progress bars dropped)."""
+    """Rewrite ``path`` in place; returns how many widget outputs were replaced (progress bars dropped). Each
+    plotly figure's JSON moves to ``figures/<stem>.json`` (rewritten whole; removed when the notebook has none)."""
     nb = json.loads(path.read_text())
     replaced = 0
     picture = None
-    for cell in nb["cells"]:
+    figures = []
+    for index, cell in enumerate(nb["cells"]):
         if "outputs" in cell:
             cell["outputs"] = [output for output in cell["outputs"] if not _progress_bar(output)]
         for output in cell.get("outputs", []):
             data = output.get("data") or {}
+            figure = _plotly_figure(data)
+            if figure is not None:
+                del data["application/json"]
+                figures.append({"cell": index, "png_sha256": png_sha256(data), "figure": figure})
             if WIDGET in data:
                 picture = picture or _picture()
                 output["data"] = {"image/png": picture, "text/plain": [CAPTION]}
@@ -66,6 +94,12 @@ def store(path: Path) -> int:
                 replaced += 1
     nb["metadata"].pop("widgets", None)
     path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    record = path.parent / FIGURES / f"{path.stem}.json"
+    if figures:
+        record.parent.mkdir(exist_ok=True)
+        record.write_text(json.dumps({"notebook": path.name, "figures": figures}, separators=(",", ":")) + "\n")
+    else:
+        record.unlink(missing_ok=True)
     return replaced
 
 

@@ -71,12 +71,17 @@ def test_no_live_widget_is_stored(path):
             assert not "".join(data.get("text/plain", "")).startswith(("VBox(", "HBox(")), path.name
 
 
-def test_store_replaces_a_widget_output_by_the_screenshot_and_drops_progress_bars(tmp_path):
+def _store_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_store", NOTEBOOKS[0].parent / "_store.py")
     store = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(store)
+    return store
+
+
+def test_store_replaces_a_widget_output_by_the_screenshot_and_drops_progress_bars(tmp_path):
+    store = _store_module()
     widget = {"output_type": "display_data", "metadata": {},
               "data": {store.WIDGET: {"model_id": "x"}, "text/plain": ["VBox(children=(...))"]}}  # fmt: skip
     plain = {"output_type": "stream", "name": "stdout", "text": ["kept\n"]}
@@ -92,3 +97,50 @@ def test_store_replaces_a_widget_output_by_the_screenshot_and_drops_progress_bar
     first, second = out["cells"][0]["outputs"]  # the progress bars dropped
     assert set(first["data"]) == {"image/png", "text/plain"} and "picture" in first["data"]["text/plain"][0]
     assert second == plain and "widgets" not in out["metadata"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_stored_figure_has_its_plotly_record(path):
+    """Each stored PNG (but the Playground's screenshot) is a plotly figure whose JSON ``figures/<stem>.json``
+    holds, for the same cell and the same PNG, in order: what tests/browser/test_figure_layout.py draws is what
+    the notebook shows. Fails for a notebook stored without ``PLOTLY_RENDERER=png+json`` or re-run without
+    ``notebooks/_store.py``, and for a figure added, removed or changed since the record was written."""
+    store = _store_module()
+    nb = json.loads(path.read_text())
+    shown = []
+    for index, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            data = out.get("data") or {}
+            if "image/png" in data and not "".join(data.get("text/plain", "")).startswith(store.CAPTION):
+                assert "application/json" not in data, f"{path.name} cell {index}: the figure's JSON left in"
+                shown.append((index, store.png_sha256(data)))
+    record = path.parent / store.FIGURES / f"{path.stem}.json"
+    recorded = [(f["cell"], f["png_sha256"]) for f in json.loads(record.read_text())["figures"]] if shown else []
+    assert recorded == shown, f"{record.name} does not match {path.name}'s stored figures: run `make notebooks`"
+    if not shown:
+        assert not record.exists()
+
+
+def test_store_moves_each_plotly_figure_to_its_record(tmp_path):
+    store = _store_module()
+    figure = {"data": [{"type": "bar", "y": [1, 2]}], "layout": {"title": {"text": "t"}}}
+    plot = {"output_type": "display_data", "metadata": {},
+            "data": {"image/png": "iVBORw0KGgo=\n", "application/json": figure, "text/plain": ["Figure"]}}  # fmt: skip
+    other = {"output_type": "execute_result", "metadata": {}, "execution_count": 1,
+             "data": {"application/json": {"a": 1}, "text/plain": ["{'a': 1}"]}}  # fmt: skip
+    nb = {"cells": [{"cell_type": "markdown", "source": [], "metadata": {}},
+                    {"cell_type": "code", "source": [], "metadata": {}, "outputs": [other, plot]}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}  # fmt: skip
+    path = tmp_path / "n.ipynb"
+    path.write_text(json.dumps(nb))
+    store.store(path)
+    cell = json.loads(path.read_text())["cells"][1]
+    assert cell["outputs"][0] == other  # JSON that is not a figure stays
+    assert set(cell["outputs"][1]["data"]) == {"image/png", "text/plain"}
+    record = json.loads((tmp_path / "figures" / "n.json").read_text())
+    entry = {"cell": 1, "png_sha256": store.png_sha256(plot["data"]), "figure": figure}
+    assert record == {"notebook": "n.ipynb", "figures": [entry]}
+    assert store.png_sha256({"image/png": ["iVBORw0KGgo=\n"]}) == store.png_sha256({"image/png": "iVBORw0KGgo="})
+    path.write_text(json.dumps({**nb, "cells": nb["cells"][:1]}))  # the figure gone: its record goes too
+    store.store(path)
+    assert not (tmp_path / "figures" / "n.json").exists()

@@ -151,6 +151,15 @@ def test_many_phase_runs_are_binned():
     assert len(json.loads(fig.to_json())["layout"]["shapes"]) == len(fig.layout.shapes)
 
 
+def test_the_legend_names_each_entry_once_when_a_phase_and_a_category_share_a_name():
+    tl = synthetic(2000)  # every phase and every category: "ema" is both (the EMA's update and its shadow weights)
+    fig = plots.timeline_figure(tl)
+    shown = [tr.name for tr in fig.data if tr.showlegend is not False and tr.name]
+    shown += [shape.name for shape in fig.layout.shapes if shape.showlegend]
+    assert {"ema", "ema (phase)", "forward"} <= set(shown)
+    assert len(shown) == len(set(shown)), shown
+
+
 def test_empty_timeline_draws_its_baseline():
     columns = {name: np.zeros(0) for name in ("time", "action", "bytes", "category", "phase", "device", "storage")}
     tl = Timeline(columns=columns, baseline_by_category={"parameter": 3 * MiB}, devices=["cpu"])

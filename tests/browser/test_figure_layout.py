@@ -15,6 +15,11 @@ titles, the legend, each annotation and each tick label, and fails when
 - any of those boxes reaches outside the figure's own svg (clipped);
 - the legend shows one name twice.
 
+Every figure the notebooks store (as a PNG, from plotly) is drawn too, from the plotly JSON ``make notebooks``
+records beside them (``notebooks/figures/<notebook>.json``, written by ``notebooks/_store.py``; a unit test holds
+each record to its notebook's PNGs): the figures the notebooks build by hand (02's EMA curves, 03's frontier, 04's
+and 05's curves, 07's per-GPU lines) as well as memkit's, at the stored width (700 px) and at 800 and 1400 px.
+
 ``MEMKIT_FIGURE_DIR=dir`` also writes each drawing there as a PNG, to look at. Plotly.js comes from the installed
 plotly package (no network). Needs Playwright and Chromium (``conftest.py``); run by ``make browser-test``.
 """
@@ -57,6 +62,13 @@ CASES = [
     ("plan", "stored"),
     ("rss", "stored"),
 ]
+
+NOTEBOOK_FIGURES = Path(__file__).resolve().parents[2] / "notebooks" / "figures"
+STORED = [
+    (f"{record.stem}, cell {figure['cell']}, figure {k}", figure["figure"])
+    for record in sorted(NOTEBOOK_FIGURES.glob("*.json"))
+    for k, figure in enumerate(json.loads(record.read_text())["figures"])
+]  # fmt: skip
 
 # The boxes in a drawn figure (plotly's class names); tick labels as the four corners of each rotated text.
 MEASURE_JS = """(gd) => {
@@ -172,7 +184,7 @@ def page(chromium):
 
 def _draw(page, fig, width: int, how: str, kind: str):
     """The figure drawn in a fresh div ``width`` px wide, as a stored picture or as the Playground draws it."""
-    spec = json.loads(pio.to_json(fig, validate=False))
+    spec = json.loads(json.dumps(fig) if isinstance(fig, dict) else pio.to_json(fig, validate=False))
     layout = spec.setdefault("layout", {})
     if how == "stored":
         layout.update(width=width, height=layout.get("height") or STORED_HEIGHT, autosize=False)
@@ -189,6 +201,14 @@ def _draw(page, fig, width: int, how: str, kind: str):
         [spec, width],
     )
     return page.locator(".js-plotly-plot").element_handle()
+
+
+def _save(gd, name: str) -> None:
+    """With ``MEMKIT_FIGURE_DIR`` set, the drawing as a PNG there, to look at."""
+    if os.environ.get("MEMKIT_FIGURE_DIR"):
+        out = Path(os.environ["MEMKIT_FIGURE_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        gd.screenshot(path=str(out / f"{name.replace(' ', '_').replace(',', '')}.png"))
 
 
 def _overlap(a, b) -> bool:
@@ -245,11 +265,23 @@ def test_every_figure_is_readable(page, figures, name, how, width):  # page firs
     kind = name.split(",")[0]
     gd = _draw(page, figures[name], width, how, kind)
     measured = page.evaluate(MEASURE_JS, gd)
-    if os.environ.get("MEMKIT_FIGURE_DIR"):
-        out = Path(os.environ["MEMKIT_FIGURE_DIR"])
-        out.mkdir(parents=True, exist_ok=True)
-        gd.screenshot(path=str(out / f"{name.replace(' ', '_').replace(',', '')}-{how}-{width}.png"))
+    _save(gd, f"{name}-{how}-{width}")
     assert len(measured["ticks"]) > 2 and measured["boxes"], measured  # the figure was drawn
+    found = problems(measured)
+    assert not found, "\n".join(found)
+
+
+def test_notebooks_store_their_figures():
+    assert len(STORED) >= 20, f"{len(STORED)} figures recorded in {NOTEBOOK_FIGURES}: run `make notebooks`"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize(("name", "figure"), STORED, ids=[name for name, _ in STORED])
+def test_every_stored_notebook_figure_is_readable(page, name, figure, width):
+    gd = _draw(page, figure, width, "stored", "")
+    measured = page.evaluate(MEASURE_JS, gd)
+    _save(gd, f"{name}-{width}")
+    assert measured["boxes"] or measured["ticks"], measured  # the figure was drawn
     found = problems(measured)
     assert not found, "\n".join(found)
 
