@@ -8,7 +8,7 @@ one chunk's intermediate exists at a time. ``"sequence"`` mode tiles the tokens 
 ``enable_forward_chunking``, for every model and uneven lengths).
 
 Costs: in inference, a few more, smaller matmuls (close to free where matmuls dominate). In training a plain
-split saves nothing (every chunk's intermediate is kept for the backward); the recompute path (on by default
+split saves little (every chunk's intermediate is kept for the backward); the recompute path (on by default
 when autograd records) keeps only the input and recomputes each chunk's input projection and activation in the
 backward: one extra ``proj`` matmul per layer, about +17% of the layer's training FLOPs for ``gelu``-style
 layers and +22% for gated ones (``geglu``, ``swiglu``). It does nothing where attention or the weights set the
