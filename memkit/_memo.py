@@ -85,8 +85,9 @@ def _identical(blocks: nn.ModuleList) -> bool:
     return all(_signature(b) == middle for b in list(blocks)[1:-1])
 
 
-def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -> str | None:
-    """Why an estimate with these settings runs every block, or None when it can be memoized."""
+def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None, count_ops: bool = False) -> str | None:
+    """Why an estimate with these settings runs every block, or None when it can be memoized (``count_ops``: an
+    estimate that also counts its ops, or :func:`memkit.steptime.count_ops`)."""
     if step is not None and getattr(step, "mixed_precision", None) is not None:
         # autocast frees its cast cache (every block's weight copies) when the forward ends, outside the blocks
         return f"mixed_precision={step.mixed_precision!r} frees its cast cache of every block at once"
@@ -95,6 +96,7 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -
         # queue), with host copies and state off the device: not a sum of identical blocks' events
         return f"optimizer_on={step.optimizer_on!r} steps one optimizer per parameter, in host memory"
     from .optimizations.checkpointing import Checkpointing
+    from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
     from .optimizations.lora import LoRA
     from .optimizations.quantization import Quantize
@@ -103,6 +105,13 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -
         if isinstance(o, (FFSplit, LoRA)):  # the same adapters in every block of a list
             continue
         if isinstance(o, Quantize):  # the parameters themselves, bitsandbytes' quant states beside them in each block
+            continue
+        if isinstance(o, EMA):  # per-parameter shadows, their one buffer grown by the blocks left out (Tagger._mirror)
+            if count_ops:
+                # the counter gives an op the block of the storage it writes: the lerps write one buffer of every
+                # block's shadows, a staged update's copies its staging buffer, each copy to or from the host a
+                # chunk of several blocks' shadows
+                return f"{o} is not memoized when ops are counted (its update's ops are not each one block's)"
             continue
         if isinstance(o, Checkpointing):
             if o.budget_bytes is not None or not isinstance(o.pattern, str) or o.pattern not in ("all", "none"):
@@ -280,19 +289,34 @@ class Tagger:
         self.out_owner: dict[int, Any] = {}
         self.handles: list[Any] = []
         self.tracker = None
+        # an EMA's shadows: the block of each shadow's storage that holds one block's shadows alone, and, for a
+        # storage holding the shadows of several blocks (one buffer for all), its bytes and what the blocks the probe
+        # leaves out add to them
+        self.mirror_owner: dict[int, tuple[int, int]] = {}
+        self.grown: dict[int, tuple[int, int]] = {}  # storage key -> (its bytes in the probe, the bytes added)
+        self.kept: dict[int, tuple[int, str]] = {}  # host state from before the step: storage key -> (bytes, category)
+        self.kept_events = 0  # the tracker's host-state events when the tagger was installed (the baseline's)
 
     # ---- installing -----------------------------------------------------------------------------------------
-    def install(self, tracker, optimizer: torch.optim.Optimizer | None) -> None:
-        """Tag ``tracker``'s events from now on (it has registered the baseline, and recorded nothing yet)."""
+    def install(
+        self, tracker, optimizer: torch.optim.Optimizer | None, model: nn.Module | None = None, handle: Any = None
+    ) -> None:
+        """Tag ``tracker``'s events from now on (it has registered the baseline, and recorded nothing yet);
+        ``handle``: the optimizations applied to ``model`` (an EMA's shadows are per-parameter state)."""
         from torch.nn.modules import module as nn_module
 
         if tracker.log.rows:
             raise RuntimeError("the probe's tracker has recorded events before the tagger was installed")
         self.tracker = tracker
+        self.kept_events = len(tracker._kept_events)
+        self.kept = {key: (n, tracker._kept_category[ident]) for key, (n, _, ident) in tracker._kept.items()}
+        self._mirror(model, handle)
         rows = _Rows()
         rows.tagger = self
         tracker.log.rows = rows
         self.base = {k: e for k, e in tracker._live.items() if e.event < 0}
+        if any(key not in self.base and key not in self.kept for key in self.grown):
+            raise Unsupported("an EMA's buffer of several blocks' shadows is not among the step's baseline storages")
         owned = self._owned_tensors(optimizer)
         for key in self.base:
             if key in owned:
@@ -314,6 +338,47 @@ class Tagger:
                     block.register_forward_hook(self._block_post, with_kwargs=True, always_call=True),
                 ]
 
+    def _mirror(self, model: nn.Module | None, handle: Any) -> None:
+        """Attribute an EMA's shadows to blocks: a shadow is its parameter's. The shadows are views of one buffer
+        per dtype, each padded to the allocator's 512 bytes: a buffer's bytes are a sum over parameters, and each
+        middle block adds to the full model's what the probe's middle blocks take of it (the bytes from the start
+        of each of their shadows to the next shadow's). Each shadow's staging weight is the blocks its block stands
+        for (:attr:`memkit.optimizations.EMAState.stands_for`)."""
+        from .memory.tracker import _plain
+
+        full = {li: n for li, (_, n, _) in enumerate(self.lists)}
+        for part in getattr(handle, "parts", ()):
+            ema = getattr(part, "ema", None)
+            if ema is None:
+                continue
+            params = list(model.parameters()) if model is not None else []
+            if [p.shape for p in params] != [s.shape for s in ema.shadow_params]:
+                raise Unsupported("an EMA's shadows are not the model's parameters, in order")
+            owners = [self.tensor_owner.get(id(p)) for p in params]
+            ema.stands_for = [full[o[0]] - (PROBE - 1) if o is not None and o[1] == PROBE - 2 else 1 for o in owners]
+            pieces: dict[int, tuple[int, list[tuple[int, Any]]]] = {}
+            for shadow, owner in zip(ema.shadow_params, owners, strict=True):
+                for t in _plain(shadow):
+                    storage = t.untyped_storage()
+                    entry = pieces.setdefault(storage._cdata, (storage.nbytes(), []))
+                    entry[1].append((t.storage_offset() * t.element_size(), owner))
+            for key, (nbytes, starts) in pieces.items():
+                if len({o for _, o in starts}) == 1:  # one block's shadows (or none's) alone: the block's storage
+                    if starts[0][1] is not None:
+                        self.mirror_owner[key] = starts[0][1]
+                    continue
+                starts.sort(key=lambda s: s[0])
+                took: dict[Any, int] = {}
+                for (start, owner), end in zip(starts, [s for s, _ in starts[1:]] + [nbytes], strict=True):
+                    took[owner] = took.get(owner, 0) + end - start
+                added = 0
+                for li, n in full.items():
+                    middle = took.get((li, 1), 0)
+                    if middle != took.get((li, PROBE - 2), 0):
+                        raise Unsupported(f"the middle blocks of {self.lists[li][0]!r} take different EMA bytes")
+                    added += (n - PROBE) * middle
+                self.grown[key] = (nbytes, added)
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -334,6 +399,7 @@ class Tagger:
                     grad = getattr(t, "grad", None)
                     if grad is not None:
                         keys.update(dict.fromkeys(storages(grad), (li, b)))
+        keys.update(self.mirror_owner)
         if optimizer is not None:
             for p, state in optimizer.state.items():
                 owner = self.tensor_owner.get(id(p))

@@ -301,7 +301,7 @@ def estimate(
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
     n = step.runs
-    why_not = "memoize=False" if not memoize else _memo.unsupported(optimizations, parallel, step)
+    why_not = "memoize=False" if not memoize else _memo.unsupported(optimizations, parallel, step, count_ops)
     run = dict(
         model_fn=model_fn, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype,
         batch_size=batch_size, device=device, seed=seed, parallel=parallel, progress=progress, label=label,
@@ -466,7 +466,7 @@ def _measure(
                 tracker.fake = FakeDispatchCache()  # the same outputs as fake dispatch, ~2x faster
                 tagger = _memo.Tagger(lists) if lists else None
                 if tagger is not None:
-                    tagger.install(tracker, runner.optimizer)
+                    tagger.install(tracker, runner.optimizer, net, handle)
                 # a probe's steady forward and backward: the first step's, on other storages (memkit._steady)
                 derived = _steady.Derived(tracker, tagger, runner, parallel=parallel)
                 try:

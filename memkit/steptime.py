@@ -373,7 +373,7 @@ def count_ops(
     )
     label = model if isinstance(model, str) else getattr(model, "__name__", "model")
     settings = dict(model=label, size=size, step=str(step), optimizations=[str(o) for o in optimizations], sizes=sizes)
-    why = "memoize=False" if not memoize else _memo.unsupported(optimizations, None, step)
+    why = "memoize=False" if not memoize else _memo.unsupported(optimizations, None, step, count_ops=True)
     if why is None and preset is not None:
         why = _memo.refused(preset.model_class)
     lists = None
