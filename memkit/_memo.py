@@ -23,12 +23,25 @@ going down in the backward (the second); it stands for every block but the first
 
 Byte-equal to running every block (``estimate(..., memoize=False)``) on every preset and every supported
 setting (``tests/test_memo.py``). Settings whose memory is not a sum over blocks, or whose blocks differ from one
-another, run every block (:func:`unsupported` says why): an EMA or offload (state kept as one buffer or off the
-device), checkpointing patterns that pick some blocks, a model without a list of identical middle blocks. FSDP is
-memoized: the tagger's pre-hook runs before FSDP's, so a block's gather, reshard and the free of the gather before
-it are the block's events, and FSDP's input wrapping is a node of the block; with ``cpu_offload`` (shards in host
-memory) it runs every block. Where the
-probe's events do not fit the splice (:class:`Unsupported`), the estimate runs every block and says why.
+another, run every block (:func:`unsupported` says why): offload (weights off the device), mixed precision (its
+cast cache of every block freed at once), a host optimizer, checkpointing patterns that pick some blocks, a model
+without a list of identical middle blocks. FSDP is memoized: the tagger's pre-hook runs before FSDP's, so a block's
+gather, reshard and the free of the gather before it are the block's events, and FSDP's input wrapping is a node of
+the block; with ``cpu_offload`` (shards in host memory) it runs every block.
+
+An EMA is memoized in every mode (``"device"``, ``"offload"``, ``"cpu_only"``; foreach or not; any ``dtype``,
+``update_every`` and ``chunk_mb``). Its shadows are per-parameter state: views of one buffer per dtype, on the
+device or in host memory (each padded to 512 bytes in an estimate for ``"cuda"``), so a buffer's bytes are a sum
+over parameters; the tagger gives each shadow its parameter's block, and the splice grows the buffer by what each middle
+block's shadows take of the probe's (in the baseline, the allocator replay's baseline blocks and
+``host_state_bytes``; :meth:`Tagger._mirror`). Its update allocates nothing but staging buffers (shadows in another
+dtype than their parameters, or in host memory), filled chunk by chunk with the shadows of several blocks: no event
+per chunk, only the buffers, whose size follows the staged elements' total; the probe's EMA weighs each shadow by
+the blocks its block stands for (``EMAState.stands_for``), so its buffers are the full model's. Under FSDP each
+shadow is a storage of its own, its block's. What stays unmemoized with an EMA: an estimate that counts its ops
+(``count_ops``), where the counter gives an op the block of the storage it writes (the lerps write the one buffer, a
+staged update's copies a chunk of several blocks' shadows). Where the probe's events do not fit the splice
+(:class:`Unsupported`), the estimate runs every block and says why.
 """
 
 from __future__ import annotations
@@ -340,10 +353,10 @@ class Tagger:
 
     def _mirror(self, model: nn.Module | None, handle: Any) -> None:
         """Attribute an EMA's shadows to blocks: a shadow is its parameter's. The shadows are views of one buffer
-        per dtype, each padded to the allocator's 512 bytes: a buffer's bytes are a sum over parameters, and each
-        middle block adds to the full model's what the probe's middle blocks take of it (the bytes from the start
-        of each of their shadows to the next shadow's). Each shadow's staging weight is the blocks its block stands
-        for (:attr:`memkit.optimizations.EMAState.stands_for`)."""
+        per dtype (each padded to 512 bytes for the CUDA allocator): a buffer's bytes are a sum over parameters,
+        and each middle block adds to the full model's what the probe's middle blocks take of it (the bytes from the
+        start of each of their shadows to the next shadow's). Each shadow's staging weight is the blocks its block
+        stands for (:attr:`memkit.optimizations.EMAState.stands_for`)."""
         from .memory.tracker import _plain
 
         full = {li: n for li, (_, n, _) in enumerate(self.lists)}
