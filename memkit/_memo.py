@@ -38,9 +38,10 @@ block's shadows take of the probe's (in the baseline, the allocator replay's bas
 dtype than their parameters, or in host memory), filled chunk by chunk with the shadows of several blocks: no event
 per chunk, only the buffers, whose size follows the staged elements' total; the probe's EMA weighs each shadow by
 the blocks its block stands for (``EMAState.stands_for``), so its buffers are the full model's. Under FSDP each
-shadow is a storage of its own, its block's. What stays unmemoized with an EMA: an estimate that counts its ops
-(``count_ops``), where the counter gives an op the block of the storage it writes (the lerps write the one buffer, a
-staged update's copies a chunk of several blocks' shadows). Where the probe's events do not fit the splice
+shadow is a storage of its own, its block's. An estimate that also counts its ops (``count_ops``) gives each op of
+the update the block of the shadow it writes (:meth:`Tagger.shadow_block`); what stays unmemoized with an EMA is
+such an estimate of a staged or host update (``mode="offload"``, ``"cpu_only"`` or a ``dtype``): its copies write a
+staging buffer of no block, or move several blocks' shadows at once. Where the probe's events do not fit the splice
 (:class:`Unsupported`), the estimate runs every block and says why.
 """
 
@@ -120,11 +121,10 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None, c
         if isinstance(o, Quantize):  # the parameters themselves, bitsandbytes' quant states beside them in each block
             continue
         if isinstance(o, EMA):  # per-parameter shadows, their one buffer grown by the blocks left out (Tagger._mirror)
-            if count_ops:
-                # the counter gives an op the block of the storage it writes: the lerps write one buffer of every
-                # block's shadows, a staged update's copies its staging buffer, each copy to or from the host a
-                # chunk of several blocks' shadows
-                return f"{o} is not memoized when ops are counted (its update's ops are not each one block's)"
+            if count_ops and (o.mode != "device" or o.dtype is not None):
+                # the counter gives an op the block of the shadow it writes; a staged update writes a staging
+                # buffer, an update across the host moves every shadow (or a chunk of several blocks') in one op
+                return f"{o} (dtype={o.dtype}) is not memoized when ops are counted (a staged or host update)"
             continue
         if isinstance(o, Checkpointing):
             if o.budget_bytes is not None or not isinstance(o.pattern, str) or o.pattern not in ("all", "none"):
@@ -307,6 +307,7 @@ class Tagger:
         # leaves out add to them
         self.mirror_owner: dict[int, tuple[int, int]] = {}
         self.grown: dict[int, tuple[int, int]] = {}  # storage key -> (its bytes in the probe, the bytes added)
+        self.shadows: dict[int, tuple[list[int], list[Any]]] = {}  # such a storage -> where each shadow starts, whose
         self.kept: dict[int, tuple[int, str]] = {}  # host state from before the step: storage key -> (bytes, category)
         self.kept_events = 0  # the tracker's host-state events when the tagger was installed (the baseline's)
 
@@ -381,6 +382,7 @@ class Tagger:
                         self.mirror_owner[key] = starts[0][1]
                     continue
                 starts.sort(key=lambda s: s[0])
+                self.shadows[key] = ([s for s, _ in starts], [o for _, o in starts])
                 took: dict[Any, int] = {}
                 for (start, owner), end in zip(starts, [s for s, _ in starts[1:]] + [nbytes], strict=True):
                     took[owner] = took.get(owner, 0) + end - start
@@ -391,6 +393,13 @@ class Tagger:
                         raise Unsupported(f"the middle blocks of {self.lists[li][0]!r} take different EMA bytes")
                     added += (n - PROBE) * middle
                 self.grown[key] = (nbytes, added)
+
+    def shadow_block(self, t: torch.Tensor) -> Any:
+        """The block of the EMA shadow ``t`` is (or is a slice of), in a buffer of several blocks' shadows."""
+        import bisect
+
+        starts, owners = self.shadows[t.untyped_storage()._cdata]
+        return owners[bisect.bisect_right(starts, t.storage_offset() * t.element_size()) - 1]
 
     def remove(self) -> None:
         for h in self.handles:

@@ -149,8 +149,9 @@ def estimate(
             faster at full size (full Flux: ~2-3 s instead of ~20 s; with an EMA ~2 s instead of ~13 s). An EMA is
             memoized in every mode (its one buffer of shadows grown by the blocks the probe leaves out), FSDP too.
             Settings whose memory is not a sum over identical blocks (offload, FSDP's CPU offload, mixed precision,
-            a host optimizer, checkpointing of some blocks only), an EMA in an estimate that counts its ops
-            (``count_ops``) and models without such a list run every block; ``meta["memoized"]`` says which
+            a host optimizer, checkpointing of some blocks only), a staged or host EMA (``mode="offload"``,
+            ``"cpu_only"`` or a ``dtype``) in an estimate that counts its ops (``count_ops``) and models without such a
+            list run every block; ``meta["memoized"]`` says which
             happened and ``meta["memo"]`` why. The probe's
             steady step runs only its update: its forward and backward are the first step's on other storages
             (:mod:`memkit._steady`; ``meta["steady_derived"]``), where nothing but the optimizer's state differs

@@ -343,9 +343,10 @@ def count_ops(
     with 4 and the last, and every further block adds what the added one did (blocks are identical, so each one's
     ops are the same; a ``_foreach`` op is counted per tensor, so the optimizer's ops add up per block too): equal to
     counting every block (``tests/test_steptime.py``) where the estimate itself memoizes (:func:`memkit._memo.
-    unsupported` says where not: a checkpointing pattern that picks some blocks, an EMA, offload; those count every
-    block). ``meta`` holds the settings and which was done (``memoized``, ``memo``). Its runs cost ~3x an estimate:
-    ``memkit.estimate(..., count_ops=True)`` counts the same ops as it runs (``timeline.op_counts``).
+    unsupported` says where not: a checkpointing pattern that picks some blocks, an EMA staged or in host memory,
+    offload; those count every block). ``meta`` holds the settings and which was done (``memoized``, ``memo``). Its
+    runs cost ~3x an estimate: ``memkit.estimate(..., count_ops=True)`` counts the same ops as it runs
+    (``timeline.op_counts``).
 
     Example:
         >>> counts = count_ops("flux", optimizations=[memkit.Checkpointing()])

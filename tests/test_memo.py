@@ -330,8 +330,8 @@ def test_memoized_estimate_runs_only_the_probe():
     "kwargs, reason",
     [
         (dict(optimizations=[memkit.Checkpointing(pattern="every:2")]), "checkpoints some blocks"),
-        # the counter gives each op the block of what it writes: an EMA's lerps write one buffer of every block's
-        (dict(optimizations=[memkit.EMA()], count_ops=True), "is not memoized when ops are counted"),
+        # the counter gives each op the block of the shadow it writes: a staged EMA update writes its staging buffer
+        (dict(optimizations=[memkit.EMA(mode="offload")], count_ops=True), "is not memoized when ops are counted"),
         (dict(memoize=False), "memoize=False"),
         # shards offloaded to host memory: not a device timeline the splice repeats
         (dict(parallel=memkit.FSDP(world_size=2, cpu_offload=True)), "keeps memory off the device"),
