@@ -7,9 +7,10 @@ tracker's dispatch: each op reaches it first, runs through the tracker (which re
 splice follows for the op's output: inside a block's forward (recompute included), that block; in the backward, the
 block whose forward made the running autograd node; between blocks in the forward, the block before; elsewhere (the
 optimizer, ``zero_grad``), the block owning what it reads (a ``_foreach`` op per tensor: the block of its i-th
-tensor). A memoized estimate runs a probe of four blocks per list, the third standing for every block but the first
-two and the last, so an op of that block counts ``n - 3`` times in a list of ``n`` blocks, every other op once: the
-full model's counts, equal to :func:`memkit.steptime.count_ops` running every block (``tests/test_counted.py``).
+tensor; an EMA's lerp into its one buffer of every block's shadows: the block of the shadow it writes). A memoized
+estimate runs a probe of four blocks per list, the third standing for every block but the first two and the last,
+so an op of that block counts ``n - 3`` times in a list of ``n`` blocks, every other op once: the full model's
+counts, equal to :func:`memkit.steptime.count_ops` running every block (``tests/test_counted.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from collections.abc import Iterator
 
 import torch
 
-from ._memo import _AGG, PROBE
-from .memory.events import ALLOC
+from ._memo import _AGG, PROBE, Unsupported
+from .memory.events import ALLOC, PHASE_CODE
 from .steptime import Op, OpCounts, _Counter, _disk_loads
 
+_EMA = PHASE_CODE["ema"]
 _MIDDLE = PROBE - 2
 """The probe block standing for the middle blocks (the third of each list)."""
 
@@ -50,6 +52,11 @@ class _TaggedCounter(_Counter):
             # an op over tensors of several blocks (a _foreach op, counted per tensor), or over tensors the tracker
             # does not hold (the optimizer's step counts): the block of the tensor it makes or writes, if any
             tag = self.tagger.owner.get(key) or self.owned.get(key)
+            if tag is None and key in self.tagger.shadows:  # an EMA's buffer of every block's shadows
+                tag = self.tagger.shadow_block(out)
+            elif tag is None and self.tracker._explicit and self.tracker._explicit[-1] == _EMA:
+                # an EMA update's op that writes no shadow (a staging buffer): not each one block's
+                raise Unsupported("an EMA's update writes a storage of no block: its ops are not counted per block")
         self.tagged[op, tag] += 1
 
     def counts(self) -> Counter:

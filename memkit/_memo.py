@@ -23,12 +23,26 @@ going down in the backward (the second); it stands for every block but the first
 
 Byte-equal to running every block (``estimate(..., memoize=False)``) on every preset and every supported
 setting (``tests/test_memo.py``). Settings whose memory is not a sum over blocks, or whose blocks differ from one
-another, run every block (:func:`unsupported` says why): an EMA or offload (state kept as one buffer or off the
-device), checkpointing patterns that pick some blocks, a model without a list of identical middle blocks. FSDP is
-memoized: the tagger's pre-hook runs before FSDP's, so a block's gather, reshard and the free of the gather before
-it are the block's events, and FSDP's input wrapping is a node of the block; with ``cpu_offload`` (shards in host
-memory) it runs every block. Where the
-probe's events do not fit the splice (:class:`Unsupported`), the estimate runs every block and says why.
+another, run every block (:func:`unsupported` says why): offload (weights off the device), mixed precision (its
+cast cache of every block freed at once), a host optimizer, checkpointing patterns that pick some blocks, a model
+without a list of identical middle blocks. FSDP is memoized: the tagger's pre-hook runs before FSDP's, so a block's
+gather, reshard and the free of the gather before it are the block's events, and FSDP's input wrapping is a node of
+the block; with ``cpu_offload`` (shards in host memory) it runs every block.
+
+An EMA is memoized in every mode (``"device"``, ``"offload"``, ``"cpu_only"``; foreach or not; any ``dtype``,
+``update_every`` and ``chunk_mb``). Its shadows are per-parameter state: views of one buffer per dtype, on the
+device or in host memory (each padded to 512 bytes in an estimate for ``"cuda"``), so a buffer's bytes are a sum
+over parameters; the tagger gives each shadow its parameter's block, and the splice grows the buffer by what each middle
+block's shadows take of the probe's (in the baseline, the allocator replay's baseline blocks and
+``host_state_bytes``; :meth:`Tagger._mirror`). Its update allocates nothing but staging buffers (shadows in another
+dtype than their parameters, or in host memory), filled chunk by chunk with the shadows of several blocks: no event
+per chunk, only the buffers, whose size follows the staged elements' total; the probe's EMA weighs each shadow by
+the blocks its block stands for (``EMAState.stands_for``), so its buffers are the full model's. Under FSDP each
+shadow is a storage of its own, its block's. An estimate that also counts its ops (``count_ops``) gives each op of
+the update the block of the shadow it writes (:meth:`Tagger.shadow_block`); what stays unmemoized with an EMA is
+such an estimate of a staged or host update (``mode="offload"``, ``"cpu_only"`` or a ``dtype``): its copies write a
+staging buffer of no block, or move several blocks' shadows at once. Where the probe's events do not fit the splice
+(:class:`Unsupported`), the estimate runs every block and says why.
 """
 
 from __future__ import annotations
@@ -85,8 +99,9 @@ def _identical(blocks: nn.ModuleList) -> bool:
     return all(_signature(b) == middle for b in list(blocks)[1:-1])
 
 
-def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -> str | None:
-    """Why an estimate with these settings runs every block, or None when it can be memoized."""
+def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None, count_ops: bool = False) -> str | None:
+    """Why an estimate with these settings runs every block, or None when it can be memoized (``count_ops``: an
+    estimate that also counts its ops, or :func:`memkit.steptime.count_ops`)."""
     if step is not None and getattr(step, "mixed_precision", None) is not None:
         # autocast frees its cast cache (every block's weight copies) when the forward ends, outside the blocks
         return f"mixed_precision={step.mixed_precision!r} frees its cast cache of every block at once"
@@ -95,6 +110,7 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -
         # queue), with host copies and state off the device: not a sum of identical blocks' events
         return f"optimizer_on={step.optimizer_on!r} steps one optimizer per parameter, in host memory"
     from .optimizations.checkpointing import Checkpointing
+    from .optimizations.ema import EMA
     from .optimizations.feedforward import FFSplit
     from .optimizations.lora import LoRA
     from .optimizations.quantization import Quantize
@@ -103,6 +119,12 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None) -
         if isinstance(o, (FFSplit, LoRA)):  # the same adapters in every block of a list
             continue
         if isinstance(o, Quantize):  # the parameters themselves, bitsandbytes' quant states beside them in each block
+            continue
+        if isinstance(o, EMA):  # per-parameter shadows, their one buffer grown by the blocks left out (Tagger._mirror)
+            if count_ops and (o.mode != "device" or o.dtype is not None):
+                # the counter gives an op the block of the shadow it writes; a staged update writes a staging
+                # buffer, an update across the host moves every shadow (or a chunk of several blocks') in one op
+                return f"{o} (dtype={o.dtype}) is not memoized when ops are counted (a staged or host update)"
             continue
         if isinstance(o, Checkpointing):
             if o.budget_bytes is not None or not isinstance(o.pattern, str) or o.pattern not in ("all", "none"):
@@ -280,19 +302,35 @@ class Tagger:
         self.out_owner: dict[int, Any] = {}
         self.handles: list[Any] = []
         self.tracker = None
+        # an EMA's shadows: the block of each shadow's storage that holds one block's shadows alone, and, for a
+        # storage holding the shadows of several blocks (one buffer for all), its bytes and what the blocks the probe
+        # leaves out add to them
+        self.mirror_owner: dict[int, tuple[int, int]] = {}
+        self.grown: dict[int, tuple[int, int]] = {}  # storage key -> (its bytes in the probe, the bytes added)
+        self.shadows: dict[int, tuple[list[int], list[Any]]] = {}  # such a storage -> where each shadow starts, whose
+        self.kept: dict[int, tuple[int, str]] = {}  # host state from before the step: storage key -> (bytes, category)
+        self.kept_events = 0  # the tracker's host-state events when the tagger was installed (the baseline's)
 
     # ---- installing -----------------------------------------------------------------------------------------
-    def install(self, tracker, optimizer: torch.optim.Optimizer | None) -> None:
-        """Tag ``tracker``'s events from now on (it has registered the baseline, and recorded nothing yet)."""
+    def install(
+        self, tracker, optimizer: torch.optim.Optimizer | None, model: nn.Module | None = None, handle: Any = None
+    ) -> None:
+        """Tag ``tracker``'s events from now on (it has registered the baseline, and recorded nothing yet);
+        ``handle``: the optimizations applied to ``model`` (an EMA's shadows are per-parameter state)."""
         from torch.nn.modules import module as nn_module
 
         if tracker.log.rows:
             raise RuntimeError("the probe's tracker has recorded events before the tagger was installed")
         self.tracker = tracker
+        self.kept_events = len(tracker._kept_events)
+        self.kept = {key: (n, tracker._kept_category[ident]) for key, (n, _, ident) in tracker._kept.items()}
+        self._mirror(model, handle)
         rows = _Rows()
         rows.tagger = self
         tracker.log.rows = rows
         self.base = {k: e for k, e in tracker._live.items() if e.event < 0}
+        if any(key not in self.base and key not in self.kept for key in self.grown):
+            raise Unsupported("an EMA's buffer of several blocks' shadows is not among the step's baseline storages")
         owned = self._owned_tensors(optimizer)
         for key in self.base:
             if key in owned:
@@ -314,6 +352,55 @@ class Tagger:
                     block.register_forward_hook(self._block_post, with_kwargs=True, always_call=True),
                 ]
 
+    def _mirror(self, model: nn.Module | None, handle: Any) -> None:
+        """Attribute an EMA's shadows to blocks: a shadow is its parameter's. The shadows are views of one buffer
+        per dtype (each padded to 512 bytes for the CUDA allocator): a buffer's bytes are a sum over parameters,
+        and each middle block adds to the full model's what the probe's middle blocks take of it (the bytes from the
+        start of each of their shadows to the next shadow's). Each shadow's staging weight is the blocks its block
+        stands for (:attr:`memkit.optimizations.EMAState.stands_for`)."""
+        from .memory.tracker import _plain
+
+        full = {li: n for li, (_, n, _) in enumerate(self.lists)}
+        for part in getattr(handle, "parts", ()):
+            ema = getattr(part, "ema", None)
+            if ema is None:
+                continue
+            params = list(model.parameters()) if model is not None else []
+            if [p.shape for p in params] != [s.shape for s in ema.shadow_params]:
+                raise Unsupported("an EMA's shadows are not the model's parameters, in order")
+            owners = [self.tensor_owner.get(id(p)) for p in params]
+            ema.stands_for = [full[o[0]] - (PROBE - 1) if o is not None and o[1] == PROBE - 2 else 1 for o in owners]
+            pieces: dict[int, tuple[int, list[tuple[int, Any]]]] = {}
+            for shadow, owner in zip(ema.shadow_params, owners, strict=True):
+                for t in _plain(shadow):
+                    storage = t.untyped_storage()
+                    entry = pieces.setdefault(storage._cdata, (storage.nbytes(), []))
+                    entry[1].append((t.storage_offset() * t.element_size(), owner))
+            for key, (nbytes, starts) in pieces.items():
+                if len({o for _, o in starts}) == 1:  # one block's shadows (or none's) alone: the block's storage
+                    if starts[0][1] is not None:
+                        self.mirror_owner[key] = starts[0][1]
+                    continue
+                starts.sort(key=lambda s: s[0])
+                self.shadows[key] = ([s for s, _ in starts], [o for _, o in starts])
+                took: dict[Any, int] = {}
+                for (start, owner), end in zip(starts, [s for s, _ in starts[1:]] + [nbytes], strict=True):
+                    took[owner] = took.get(owner, 0) + end - start
+                added = 0
+                for li, n in full.items():
+                    middle = took.get((li, 1), 0)
+                    if middle != took.get((li, PROBE - 2), 0):
+                        raise Unsupported(f"the middle blocks of {self.lists[li][0]!r} take different EMA bytes")
+                    added += (n - PROBE) * middle
+                self.grown[key] = (nbytes, added)
+
+    def shadow_block(self, t: torch.Tensor) -> Any:
+        """The block of the EMA shadow ``t`` is (or is a slice of), in a buffer of several blocks' shadows."""
+        import bisect
+
+        starts, owners = self.shadows[t.untyped_storage()._cdata]
+        return owners[bisect.bisect_right(starts, t.storage_offset() * t.element_size()) - 1]
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -334,6 +421,7 @@ class Tagger:
                     grad = getattr(t, "grad", None)
                     if grad is not None:
                         keys.update(dict.fromkeys(storages(grad), (li, b)))
+        keys.update(self.mirror_owner)
         if optimizer is not None:
             for p, state in optimizer.state.items():
                 owner = self.tensor_owner.get(id(p))

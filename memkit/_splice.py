@@ -111,6 +111,8 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
             raise Unsupported(f"the middle blocks of {tagger.lists[li][0]!r} hold different state before the step")
         for nbytes, code in shapes[1]:
             out_baseline[CATEGORIES[code]] += (n - PROBE) * nbytes
+    for key, nbytes in _grown(tagger).items():  # an EMA's one buffer of every block's shadows
+        out_baseline[CATEGORIES[tagger.base[key].category]] += nbytes - tagger.base[key].nbytes
 
     def token(r: int) -> tuple:
         row = rows[r]
@@ -155,6 +157,8 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
         repeated = sweep is not None and sweep.repeated(J)
         if isinstance(a, tuple):  # a baseline storage
             key = a[1]
+            if key in tagger.grown:
+                raise Unsupported(f"event {i} frees an EMA's buffer of several blocks' shadows")
             owner = tagger.base_owner.get(key)
             if owner is None:
                 if repeated:
@@ -324,10 +328,33 @@ def columns(rows: list[tuple]) -> dict[str, np.ndarray]:
     return out
 
 
+def _grown(tagger: Tagger) -> dict[int, int]:
+    """The full model's bytes of each baseline storage that holds the shadows of several blocks (an EMA's buffer),
+    rounded as the tracker rounds."""
+    grown = tagger.grown.items()
+    return {key: tagger.tracker._round(nbytes + added) for key, (nbytes, added) in grown if key in tagger.base}
+
+
+def _host_state(tagger: Tagger, tracker, meta: dict) -> dict[str, int] | None:
+    """The full model's ``host_state_bytes``: an EMA's shadows kept in host memory (``mode="offload"``,
+    ``"cpu_only"``), each buffer grown by the blocks the probe leaves out. Raises :class:`Unsupported` for other
+    memory off the device."""
+    if meta.get("host_peak_bytes"):
+        raise Unsupported("the step keeps memory off the device")
+    state = meta.get("host_state_bytes")
+    if not state:
+        return state
+    if len(tracker._kept_events) != tagger.kept_events or any(key not in tagger.grown for key in tagger.kept):
+        raise Unsupported("the step keeps memory off the device")  # more than an EMA's shadows, or made in the step
+    out: dict[str, int] = {}
+    for key, (n, category) in tagger.kept.items():
+        out[category] = out.get(category, 0) + n + tagger.grown[key][1]
+    return out
+
+
 def spliced_timeline(tagger: Tagger, tracker, probe: Any, starts: list[int]) -> tuple[Any, list[int]]:
     """The full model's timeline from the probe's tagged events, and where each tracked step starts in it."""
-    if probe.meta.get("host_peak_bytes") or probe.meta.get("host_state_bytes"):
-        raise Unsupported("the step keeps memory off the device")
+    host_state = _host_state(tagger, tracker, probe.meta)
     rows, baseline, source = splice(tagger, list(tracker.log.rows), list(tracker.log.retags), tracker._baseline)
     log = tracker.log
     from .memory.timeline import Timeline
@@ -340,6 +367,8 @@ def spliced_timeline(tagger: Tagger, tracker, probe: Any, starts: list[int]) -> 
         frames=list(log.frames.items),
         meta=dict(probe.meta),
     )
+    if host_state:
+        timeline.meta["host_state_bytes"] = host_state
     source_rows = np.asarray(source)
     full_starts = [int(np.argmax(source_rows >= s)) if len(source_rows) else 0 for s in starts]
     return timeline, full_starts
@@ -350,6 +379,8 @@ def spliced_baseline(tagger: Tagger, blocks: list[tuple[int, int, int]]) -> list
     middle block the probe left out, right after that block's own (fresh negative keys: no event frees them by key,
     a free of one pairs by size in the replay)."""
     full = [n for _, n, _ in tagger.lists]
+    grown = _grown(tagger)
+    blocks = [(key, grown.get(key, nbytes), device) for key, nbytes, device in blocks]
     last_of: dict[int, int] = {}  # list index -> position of its middle block's last storage
     for pos, (key, _, _) in enumerate(blocks):
         owner = tagger.base_owner.get(key)

@@ -73,6 +73,7 @@ class Derived:
         # set by _steady: the keys of the empty gradients, the rows around them, the op and stack tables' sizes
         self._made: list[int] = []
         self._interned: list[tuple[int, int]] = []
+        self._end_phase: int | None = None  # the tracker's phase when the steady update's last op ran
 
     # ---- running --------------------------------------------------------------------------------------------
     def run_steps(self, inputs, n: int, tracked: int, starts: list[int], bar, host: dict, label: str, count_ops: bool):
@@ -200,7 +201,11 @@ class Derived:
         m1 = len(rows)
         # an op (or stack) first seen making the empty gradients is no op of the real step: dropped with them
         self._interned = [(a, b) for a, b in zip(interned, (len(log.ops.items), len(log.frames.items)), strict=True)]
+        ops = self.tagger.epoch
         update(self.runner.optimizer, self.runner.handle, self.runner.scaler)
+        # what step 1 freed at its end is freed in the phase of the op before (an EMA that updates every other step
+        # ends the steady step in its own phase, and step 1 in the optimizer's)
+        self._end_phase = self.tracker._last_phase if self.tagger.epoch > ops else None
         self._made = made
         self._marks = (m0, m1, len(rows))
         self.derived = True
@@ -254,6 +259,8 @@ class Derived:
         later = [e + after for e in tagger.epochs[m1:]]
         n = self._left
         ends = [(*r[:8], mapped[r[8]]) for r in rows[m0 - n : m0]]
+        if self._end_phase is not None:
+            ends = [(*r[:4], self._end_phase, *r[5:]) for r in ends]
         end_epoch = later[m_end - m1 - 1] if m_end > m1 else (epochs[-1] if epochs else base)
         # a replaced parameter's storage is, from the steady step on, its copy's (the step's own events name it so)
         renamed = {successor: mapped[successor] for successor in moved.values()}

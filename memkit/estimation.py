@@ -146,9 +146,13 @@ def estimate(
             composes with sharding.
         memoize: run the model with each list of identical blocks cut to four (the first three and the last) and
             splice the full timeline from theirs (:mod:`memkit._memo`): byte-equal to running every block, ~5-10x
-            faster at full size (full Flux: ~2-3 s instead of ~20 s). Settings whose memory is not a sum over
-            identical blocks (an EMA, offload, FSDP, checkpointing of some blocks only) and models without such a
-            list run every block; ``meta["memoized"]`` says which happened and ``meta["memo"]`` why. The probe's
+            faster at full size (full Flux: ~2-3 s instead of ~20 s; with an EMA ~2 s instead of ~13 s). An EMA is
+            memoized in every mode (its one buffer of shadows grown by the blocks the probe leaves out), FSDP too.
+            Settings whose memory is not a sum over identical blocks (offload, FSDP's CPU offload, mixed precision,
+            a host optimizer, checkpointing of some blocks only), a staged or host EMA (``mode="offload"``,
+            ``"cpu_only"`` or a ``dtype``) in an estimate that counts its ops (``count_ops``) and models without such a
+            list run every block; ``meta["memoized"]`` says which
+            happened and ``meta["memo"]`` why. The probe's
             steady step runs only its update: its forward and backward are the first step's on other storages
             (:mod:`memkit._steady`; ``meta["steady_derived"]``), where nothing but the optimizer's state differs
             between the two steps. False runs every block and both steps whole (the reference the memoized
@@ -301,7 +305,7 @@ def estimate(
         progress = isinstance(model, str) and size == "full"
     label = model if isinstance(model, str) else "model"
     n = step.runs
-    why_not = "memoize=False" if not memoize else _memo.unsupported(optimizations, parallel, step)
+    why_not = "memoize=False" if not memoize else _memo.unsupported(optimizations, parallel, step, count_ops)
     run = dict(
         model_fn=model_fn, inputs=inputs, step=step, optimizations=optimizations, dtype=dtype,
         batch_size=batch_size, device=device, seed=seed, parallel=parallel, progress=progress, label=label,
@@ -466,7 +470,7 @@ def _measure(
                 tracker.fake = FakeDispatchCache()  # the same outputs as fake dispatch, ~2x faster
                 tagger = _memo.Tagger(lists) if lists else None
                 if tagger is not None:
-                    tagger.install(tracker, runner.optimizer)
+                    tagger.install(tracker, runner.optimizer, net, handle)
                 # a probe's steady forward and backward: the first step's, on other storages (memkit._steady)
                 derived = _steady.Derived(tracker, tagger, runner, parallel=parallel)
                 try:

@@ -161,4 +161,6 @@ def apply_all(model: torch.nn.Module, optimizations: Iterable[Optimization]) -> 
         for h in handles:
             h.after_step()
 
-    return Handle(undo, name=" + ".join(h.name for h in handles) or "none", owned=owned, after_step=after_step)
+    handle = Handle(undo, name=" + ".join(h.name for h in handles) or "none", owned=owned, after_step=after_step)
+    handle.parts = tuple(handles)  # each optimization's own handle (an EMA's holds its averager: ``part.ema``)
+    return handle

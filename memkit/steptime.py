@@ -343,9 +343,10 @@ def count_ops(
     with 4 and the last, and every further block adds what the added one did (blocks are identical, so each one's
     ops are the same; a ``_foreach`` op is counted per tensor, so the optimizer's ops add up per block too): equal to
     counting every block (``tests/test_steptime.py``) where the estimate itself memoizes (:func:`memkit._memo.
-    unsupported` says where not: a checkpointing pattern that picks some blocks, an EMA, offload; those count every
-    block). ``meta`` holds the settings and which was done (``memoized``, ``memo``). Its runs cost ~3x an estimate:
-    ``memkit.estimate(..., count_ops=True)`` counts the same ops as it runs (``timeline.op_counts``).
+    unsupported` says where not: a checkpointing pattern that picks some blocks, an EMA staged or in host memory,
+    offload; those count every block). ``meta`` holds the settings and which was done (``memoized``, ``memo``). Its
+    runs cost ~3x an estimate: ``memkit.estimate(..., count_ops=True)`` counts the same ops as it runs
+    (``timeline.op_counts``).
 
     Example:
         >>> counts = count_ops("flux", optimizations=[memkit.Checkpointing()])
@@ -373,7 +374,7 @@ def count_ops(
     )
     label = model if isinstance(model, str) else getattr(model, "__name__", "model")
     settings = dict(model=label, size=size, step=str(step), optimizations=[str(o) for o in optimizations], sizes=sizes)
-    why = "memoize=False" if not memoize else _memo.unsupported(optimizations, None, step)
+    why = "memoize=False" if not memoize else _memo.unsupported(optimizations, None, step, count_ops=True)
     if why is None and preset is not None:
         why = _memo.refused(preset.model_class)
     lists = None

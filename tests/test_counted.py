@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from test_steptime import deep
 
 import memkit
+from memkit import _memo
 from memkit.steptime import count_ops
 
 ADAMW = "adamw"  # foreach on CUDA: _foreach ops over every block's tensors at once, counted per tensor
@@ -20,8 +22,10 @@ ADAMW = "adamw"  # foreach on CUDA: _foreach ops over every block's tensors at o
         pytest.param([], ADAMW, marks=pytest.mark.extended),
         pytest.param([memkit.LoRA(rank=4)], "adamw8bit", marks=pytest.mark.extended),  # a per-parameter update
         pytest.param([memkit.Quantize(method="nf4"), memkit.LoRA(rank=4)], ADAMW, marks=pytest.mark.extended),
+        # the foreach lerp counted per tensor, under its shadow's block (in one buffer of every block's shadows)
+        ([memkit.LoRA(rank=4), memkit.EMA()], ADAMW),
     ],
-    ids=["lora-checkpointing-adamw", "full-adamw", "lora-adamw8bit", "nf4-lora-adamw"],
+    ids=["lora-checkpointing-adamw", "full-adamw", "lora-adamw8bit", "nf4-lora-adamw", "lora-ema-adamw"],
 )
 @pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_the_estimates_probe_counts_what_every_block_runs(optimizations, optimizer):
@@ -60,3 +64,20 @@ def test_a_full_size_presets_probe_counts_what_every_block_runs():
     tl = memkit.estimate("ltx-video", count_ops=True, progress=False, **sizes)
     assert tl.meta["memoized"]
     assert tl.op_counts.ops == count_ops("ltx-video", memoize=False, **sizes).ops
+
+
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
+def test_a_staged_ema_update_is_never_counted_from_the_probe(monkeypatch):
+    # memkit._memo.unsupported keeps a staged EMA (fp32 shadows of bf16 parameters) from counting ops on the probe;
+    # were it let through, the counter meets the copies into the staging buffer (no block's) and refuses
+    real = _memo.unsupported
+    monkeypatch.setattr(
+        _memo,
+        "unsupported",
+        lambda optimizations, parallel, step=None, count_ops=False: real(optimizations, parallel, step),
+    )
+    build = deep("flux", num_layers=6, num_single_layers=7)
+    opts = [memkit.EMA(dtype=torch.float32)]
+    tl = memkit.estimate(build, optimizations=opts, count_ops=True, progress=False)
+    assert not tl.meta["memoized"] and "not counted per block" in tl.meta["memo"]
+    assert tl.op_counts.ops == count_ops(build, optimizations=opts, memoize=False).ops

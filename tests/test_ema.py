@@ -294,7 +294,7 @@ def test_cli_flux_offload_says_how_much_leaves_the_gpu(capsys):
     from memkit.cli import main
 
     # the first step alone: the EMA's shadows exist from the build on, the same in every step (half the time of two);
-    # small size: the EMA is unmemoized, and full Flux's slow path took 70 s for the same table
+    # small size: full Flux's estimate ran every block under an EMA then (70 s for the same table; it is memoized now)
     argv = [
         "estimate",
         "flux",

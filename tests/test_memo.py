@@ -23,14 +23,15 @@ from memkit.presets import PRESETS
 # checkpointed and a quantized-LoRA step, and inference; every other preset and setting runs in `make test` and CI
 FAST_CASES = {
     "test_every_preset_default_step": {"wan"},  # Flux's two block lists: flux-checkpointing below
-    "test_every_setting": {"flux-checkpointing", "wan-nf4-lora", "ltx-video-inference"},
+    "test_every_setting": {"flux-checkpointing", "wan-nf4-lora", "ltx-video-inference", "flux-ema"},
+    "test_ema_every_preset": {"ltx-video-ema-cpu-only"},  # an EMA's buffer grown in host memory, staged
     "test_other_presets_settings": {"dit-inference"},
     "test_single_stream_presets_settings": set(),
     "test_fsdp": set(),  # FSDP's steady step: tests/test_steady.py::test_fsdp_runs_the_steady_step
     "test_a_preset_builds_its_probe_directly": set(),
     "test_a_refused_model_runs_every_block_and_says_why": {"cogview4"},
     "test_what_is_not_memoized_says_why": {
-        "kwargs0-checkpoints some blocks", "kwargs1-EMA is not memoized", "kwargs2-memoize=False"},
+        "kwargs0-checkpoints some blocks", "kwargs1-is not memoized when ops are counted", "kwargs2-memoize=False"},
 }  # fmt: skip
 
 LAYERS = {  # more blocks per list than the probe keeps (4)
@@ -56,9 +57,9 @@ LAYERS = {  # more blocks per list than the probe keeps (4)
 }
 
 
-def deep(preset: str):
-    """A builder of the tiny preset with the blocks of ``LAYERS`` (memkit's tiny inputs)."""
-    config = dict(PRESETS[preset].configs["tiny"]) | LAYERS[preset]
+def deep(preset: str, **config):
+    """A builder of the tiny preset with the blocks of ``LAYERS`` (memkit's tiny inputs), ``config`` set over it."""
+    config = dict(PRESETS[preset].configs["tiny"]) | LAYERS[preset] | config
     cls = getattr(diffusers, PRESETS[preset].model_class)
 
     def build():
@@ -165,6 +166,15 @@ SETTINGS = {
     # bitsandbytes' quant states (absmax, code, the nested level) belong to their blocks as the weights do
     "nf4-lora": dict(optimizations=[memkit.Quantize(method="nf4"), memkit.LoRA(rank=4)]),
     "nf4-dq-lora": dict(optimizations=[memkit.Quantize(method="nf4-dq"), memkit.LoRA(rank=4)]),
+    # an EMA's shadows: views of one buffer of every block's, grown by the blocks the probe leaves out
+    "ema": dict(optimizations=[memkit.EMA()]),
+    "ema-loop": dict(optimizations=[memkit.EMA(foreach=False)]),
+    "ema-every-2": dict(optimizations=[memkit.EMA(update_every=2)]),
+    # staged through buffers sized by every block's shadows (the probe's weighted by the blocks each stands for)
+    "ema-fp32": dict(optimizations=[memkit.EMA(dtype=torch.float32)]),
+    "ema-offload": dict(optimizations=[memkit.EMA(mode="offload")]),  # the shadows in host memory, grown as well
+    "ema-cpu-only": dict(optimizations=[memkit.EMA(mode="cpu_only", dtype=torch.float32, foreach=False)]),
+    "ema-lora-checkpointing": dict(optimizations=[memkit.LoRA(rank=4), memkit.Checkpointing(), memkit.EMA()]),
 }
 
 
@@ -174,7 +184,9 @@ SETTINGS = {
 FAST_PRESET = {"ff-sequence": "wan", "no-optimizer": "wan", "fp32-cpu": "wan", "inference": "ltx-video",
                "batch-2": "ltx-video", "sgd-3-steps": "ltx-video", "first-step": "ltx-video",
                "dora-checkpointing": "wan", "fused-backward": "wan", "grad-accum-2": "wan",
-               "int8wo-lora": "wan", "nf4-lora": "wan", "nf4-dq-lora": "wan", "both": "wan"}  # fmt: skip
+               "int8wo-lora": "wan", "nf4-lora": "wan", "nf4-dq-lora": "wan", "both": "wan",
+               "ema-loop": "wan", "ema-every-2": "ltx-video", "ema-offload": "wan", "ema-cpu-only": "ltx-video",
+               "ema-lora-checkpointing": "wan"}  # fmt: skip
 
 
 def _pairs_of(presets, settings, fast):
@@ -230,6 +242,8 @@ FSDP = {
         dict(parallel=memkit.FSDP(world_size=4), optimizer="adam", steps=3, optimizations=[memkit.Checkpointing()]),
     ),
     "fsdp-3-batch-2": ("flux", dict(parallel=memkit.FSDP(world_size=3), batch_size=2)),
+    # an EMA of the shards: a shadow of its own per parameter, its block's as the optimizer's state is
+    "fsdp-ema": ("flux", dict(parallel=memkit.FSDP(world_size=2), optimizations=[memkit.EMA()])),
 }
 
 
@@ -262,6 +276,36 @@ def test_fsdp(case):
     assert_same(*both(deep(preset), **kwargs))
 
 
+EMA_SETTINGS = ["ema", "ema-fp32", "ema-offload", "ema-cpu-only", "ema-loop", "ema-every-2"]
+
+
+@pytest.mark.parametrize(
+    "preset, setting",
+    # one EMA setting per preset, in turn: every preset's blocks under an EMA, every mode on several presets
+    [
+        pytest.param(p, s, marks=() if p == "ltx-video" else pytest.mark.slow, id=f"{p}-{s}")
+        for i, p in enumerate(sorted(LAYERS))
+        if p != "ltx-2"  # CI time: its probe (15 s) is spliced in test_every_preset_default_step, extended
+        for s in [EMA_SETTINGS[i % len(EMA_SETTINGS)]]
+    ],
+)
+def test_ema_every_preset(preset, setting):
+    assert_same(*both(deep(preset), **SETTINGS[setting]))
+
+
+@pytest.mark.parametrize("ema", [memkit.EMA(dtype=torch.float32), memkit.EMA(mode="offload")], ids=str)
+@pytest.mark.slow  # ~5 s each: the staged settings are spliced at tiny widths in test_every_setting
+def test_an_emas_staging_buffers_are_the_full_models(ema):
+    """A staged EMA update (fp32 shadows of bf16 parameters; shadows in host memory) goes through buffers sized by
+    every shadow's elements (1/64 of them, within 64 Ki elements and ``chunk_mb``): blocks wide enough that the
+    probe's own shadows would make a smaller buffer. Its EMA weighs each shadow by the blocks its block stands for."""
+    wide = deep("wan", num_attention_heads=3, attention_head_dim=128, ffn_dim=1536)
+    memo, slow = both(wide, optimizations=[ema])
+    assert_same(memo, slow)
+    staged = memo.column("bytes")[(memo.column("phase") == memkit.PHASES.index("ema")) & (memo.column("action") == 0)]
+    assert staged.max() > 4 * 2**16  # above the floor of 64 Ki elements: sized by the shadows
+
+
 def test_memoized_estimate_runs_only_the_probe():
     """The probe keeps four blocks per list: the tracker sees fewer events than the timeline holds."""
     seen = []
@@ -286,7 +330,8 @@ def test_memoized_estimate_runs_only_the_probe():
     "kwargs, reason",
     [
         (dict(optimizations=[memkit.Checkpointing(pattern="every:2")]), "checkpoints some blocks"),
-        (dict(optimizations=[memkit.EMA()]), "EMA is not memoized"),
+        # the counter gives each op the block of the shadow it writes: a staged EMA update writes its staging buffer
+        (dict(optimizations=[memkit.EMA(mode="offload")], count_ops=True), "is not memoized when ops are counted"),
         (dict(memoize=False), "memoize=False"),
         # shards offloaded to host memory: not a device timeline the splice repeats
         (dict(parallel=memkit.FSDP(world_size=2, cpu_offload=True)), "keeps memory off the device"),
@@ -344,6 +389,8 @@ def test_a_probe_that_does_not_split_falls_back(monkeypatch):
             dict(optimizations=[memkit.Checkpointing(provider="selective"), memkit.FFSplit(splits=2)]),
             marks=pytest.mark.extended,
         ),
+        # an EMA's one buffer of every block's shadows, grown from the probe's (~15 s, ~12 of them every block's run)
+        ("flux", dict(optimizations=[memkit.EMA()])),
     ],
 )
 def test_full_size(preset, kwargs):

@@ -104,6 +104,10 @@ class EMAState:
         self.temp_stored_params: list[torch.Tensor] | None = None
         self._calls = 0
         self._local: tuple[list[torch.Tensor], torch.device, list[bool | None]] | None = None
+        # per shadow, how many of the model's tensors it stands for (None: one each): the staging buffers are sized
+        # by the staged elements' total, and a memoized estimate's probe (memkit._memo), whose third block stands for
+        # every middle block of the full model, sets it so that its buffers are the full model's
+        self.stands_for: list[int] | None = None
 
     # -- the schedule ---------------------------------------------------------------------------------
     def get_decay(self, optimization_step: int) -> float:
@@ -153,7 +157,10 @@ class EMAState:
         if self._local is None or self._local[0] is not shadows or self._local[1] != compute:
             self._local = (shadows, compute, _local(shadows, compute, self._stream))  # once per shadows and device
         with phase("ema"), onloaded(params):
-            _lerp(shadows, params, 1.0 - decay, compute, self.config, self._pin, self._stream, self._local[2])
+            _lerp(
+                shadows, params, 1.0 - decay, compute, self.config, self._pin, self._stream, self._local[2],
+                self.stands_for,
+            )  # fmt: skip
         return True
 
     def _compute_device(self) -> torch.device:

@@ -39,6 +39,7 @@ def _lerp(
     non_blocking: bool,
     stream: bool = False,
     local: list[bool | None] | None = None,
+    stands_for: list[int] | None = None,
 ) -> None:
     """shadow += weight * (param - shadow) for every pair, in place; frozen parameters are copied (as diffusers).
 
@@ -46,12 +47,15 @@ def _lerp(
     op, no temporary), unless ``stream`` (offload: the shadows stand for host memory). The others go through
     staging buffers of at most ``chunk_mb`` each, in flat slices. ``local``: :func:`_local` of the shadows,
     computed once by a caller that updates the same shadows again (the per-step loop then reads only the
-    parameters' flag, dtype and device). Called under ``torch.no_grad()``.
+    parameters' flag, dtype and device). ``stands_for``: per pair, how many of the model's tensors it stands for
+    (None: one each), which sizes the staging buffers as that model's would be (:attr:`EMAState.stands_for`).
+    Called under ``torch.no_grad()``.
     """
     if local is None:
         local = _local(shadows, compute, stream)
     direct_s, direct_p, staged = [], [], []
-    for s, p, near in zip(shadows, params, local, strict=True):
+    staged_total = 0  # the staged elements of the model the shadows stand for
+    for i, (s, p, near) in enumerate(zip(shadows, params, local, strict=True)):
         if near is None or not p.requires_grad:  # integer or frozen: copied, as diffusers does
             s.copy_(p, non_blocking=non_blocking)
         elif near and p.dtype == s.dtype and p.device == compute:
@@ -59,6 +63,7 @@ def _lerp(
             direct_p.append(p)
         else:
             staged.append((s, p.detach()))
+            staged_total += s.numel() * (stands_for[i] if stands_for is not None else 1)
     if direct_s:
         if compute.type == "cpu":
             sizes = [s.numel() * s.element_size() for s in direct_s]
@@ -76,7 +81,7 @@ def _lerp(
         if direct_s:
             _direct(direct_s, direct_p, weight, cfg.foreach)
     if staged:
-        _lerp_staged(staged, weight, compute, cfg, non_blocking, stream)
+        _lerp_staged(staged, weight, compute, cfg, non_blocking, stream, staged_total)
 
 
 ONE_THREAD_BYTES = 32 << 20
@@ -158,10 +163,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _lerp_staged(pairs, weight: float, compute: torch.device, cfg: EMA, non_blocking: bool, stream: bool) -> None:
+def _lerp_staged(
+    pairs, weight: float, compute: torch.device, cfg: EMA, non_blocking: bool, stream: bool, total: int | None = None
+) -> None:
     dtype = pairs[0][0].dtype
     chunk = max(1, int(cfg.chunk_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
-    total = sum(s.numel() for s, _ in pairs)
+    if total is None:
+        total = sum(s.numel() for s, _ in pairs)
     size = min(chunk, max(total // 64, 2**16))  # the extra peak stays under ~1.6% of the staged shadows
     stage_s = stream or any(s.device != compute for s, _ in pairs)
     pbuf = torch.empty(size, dtype=dtype, device=compute)
