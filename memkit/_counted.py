@@ -3,8 +3,8 @@
 
 The counter (:class:`memkit.steptime._Counter`, the one :func:`memkit.steptime.count_ops` uses) sits inside the
 tracker's dispatch: each op reaches it first, runs through the tracker (which records it, and the probe's
-:class:`memkit._memo.Tagger` tags it), and is counted with the block the tagger says it belongs to, by the rule the
-splice follows for the op's output: inside a block's forward (recompute included), that block; in the backward, the
+:class:`memkit._memo_tagger.Tagger` tags it), and is counted with the block the tagger says it belongs to, by the rule
+the splice follows for the op's output: inside a block's forward (recompute included), that block; in the backward, the
 block whose forward made the running autograd node; between blocks in the forward, the block before; elsewhere (the
 optimizer, ``zero_grad``), the block owning what it reads (a ``_foreach`` op per tensor: the block of its i-th
 tensor; an EMA's lerp into its one buffer of every block's shadows: the block of the shadow it writes). A memoized

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ._memo import _AGG, PROBE, Tagger, Unsupported
+from ._memo import _AGG, PROBE, Unsupported
+from ._memo_tagger import Tagger
 from .memory.events import ALLOC, CATEGORIES, COLUMNS, PHASE_CODE
 
 _OTHER = PHASE_CODE["other"]

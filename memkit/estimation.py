@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
-from . import _memo, _splice, _steady, gpus
+from . import _memo, _memo_tagger, _splice, _steady, gpus
 from ._results import _cache_key, _lookup, _store, clear_cache
 from ._step_peaks import _NO_RESERVED, _reserved, _step_of, _step_peaks
 from ._torch_compat import known_values
@@ -468,7 +468,7 @@ def _measure(
             ) as timeline:
                 tracker = _active_tracker()
                 tracker.fake = FakeDispatchCache()  # the same outputs as fake dispatch, ~2x faster
-                tagger = _memo.Tagger(lists) if lists else None
+                tagger = _memo_tagger.Tagger(lists) if lists else None
                 if tagger is not None:
                     tagger.install(tracker, runner.optimizer, net, handle)
                 # a probe's steady forward and backward: the first step's, on other storages (memkit._steady)

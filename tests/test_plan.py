@@ -124,9 +124,9 @@ def test_the_plan_s_first_choice_is_the_fastest_fitting_configuration_of_the_gri
     """Ranked by step time (a card with compute figures), the plan's first choice is the fastest configuration of the
     whole grid that fits, at a budget of each peak the grid reserves: not only the cheapest by the search's prior.
     8-bit AdamW's update is faster than AdamW's on the roofline and an EMA on the CPU than an offloaded one, so the
-    prior's order is not the time's: without the search for the fastest (``_plan_search._fastest``) the plan stops
-    at the prior's cheapest fitting configuration and this test fails (at 30 MiB: AdamW 8-bit with checkpointing,
-    0.06% slower than the grid's fastest that fits)."""
+    prior's order is not the time's: without the search for the fastest (``memkit._plan_fastest.fastest``) the plan
+    stops at the prior's cheapest fitting configuration and this test fails (at 30 MiB: AdamW 8-bit with
+    checkpointing, 0.06% slower than the grid's fastest that fits)."""
     ema = memkit.EMA(update_every=2)
     dims = ("optimizer", "quantize", "checkpointing", "ema")
     times = {}
