@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from ._memo import _AGG, PROBE, Unsupported
+from ._memo_tagger import OwnedNow
 from .memory.events import ALLOC, PHASE_CODE
 from .steptime import Op, OpCounts, _Counter, _disk_loads
 
@@ -40,7 +41,7 @@ class _TaggedCounter(_Counter):
         self.tagged: Counter = Counter()
         # every block's parameters, gradients and optimizer state by storage (the step counts too, which the tracker
         # may not hold: a host scalar)
-        self.owned = tagger._owned_tensors(optimizer) if tagger is not None else {}
+        self.owned = OwnedNow(tagger._owned_refs(optimizer) if tagger is not None else {})
 
     def _add(self, op: Op, out: torch.Tensor) -> None:
         if self.tagger is None:

@@ -3,6 +3,7 @@ belongs to, as the tracker appends it, for :mod:`memkit._splice` to repeat the m
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -158,30 +159,36 @@ class Tagger:
         self.handles.clear()
 
     def _owned_tensors(self, optimizer) -> dict[int, tuple[int, int]]:
-        from .memory.tracker import _plain  # a DTensor's memory is its local shard's
+        """Every block's parameters, buffers, quant states, gradients and optimizer state, by storage key: the blocks
+        that own them now (a key names another storage once its own dies: see :class:`OwnedNow`)."""
+        return {key: tag for key, (tag, _) in self._owned_refs(optimizer).items()}
 
-        def storages(t: torch.Tensor) -> list[int]:
-            return [inner.untyped_storage()._cdata for inner in _plain(t)]
+    def _owned_refs(self, optimizer) -> dict[int, tuple[tuple[int, int], Any]]:
+        """:meth:`_owned_tensors` with a weak reference to each tensor (None: a mirror's storage, the EMA's)."""
+        keys: dict[int, tuple[tuple[int, int], Any]] = {}
 
-        keys = {}
+        def own(t: torch.Tensor, tag: tuple[int, int]) -> None:
+            ref = weakref.ref(t)
+            keys.update(dict.fromkeys(_storages(t), (tag, ref)))
+
         for li, (_, _, blocks) in enumerate(self.lists):
             for b, block in enumerate(blocks):
                 # bitsandbytes' quant states (absmax, code; LLM.int8's row scales) sit beside each quantized weight
                 for t in (*block.parameters(), *block.buffers(), *_quant_states(block)):
-                    keys.update(dict.fromkeys(storages(t), (li, b)))
+                    own(t, (li, b))
                     grad = getattr(t, "grad", None)
                     if grad is not None:
-                        keys.update(dict.fromkeys(storages(grad), (li, b)))
-        keys.update(self.mirror_owner)
+                        own(grad, (li, b))
+        keys.update({key: (tag, None) for key, tag in self.mirror_owner.items()})
         if optimizer is not None:
             for p, state in optimizer.state.items():
                 owner = self.tensor_owner.get(id(p))
                 if owner is None:  # a parameter the optimizer holds as its local shard (FSDP): by its storage
-                    owner = next((keys[k] for k in storages(p) if k in keys), None)
+                    owner = next((keys[k][0] for k in _storages(p) if k in keys), None)
                 if owner is not None:
                     for v in state.values():
                         if isinstance(v, torch.Tensor):
-                            keys.update(dict.fromkeys(storages(v), owner))
+                            own(v, owner)
         return keys
 
     # ---- hooks ----------------------------------------------------------------------------------------------
@@ -288,6 +295,34 @@ class Tagger:
             self.owner[row[8]] = tag if tag is not _AGG else None
         else:  # the key may name another storage later
             self.owner.pop(row[8], None)
+
+
+def _storages(t: torch.Tensor) -> list[int]:
+    from .memory.tracker import _plain  # a DTensor's memory is its local shard's
+
+    return [inner.untyped_storage()._cdata for inner in _plain(t)]
+
+
+class OwnedNow:
+    """The blocks owning storages, by key, as :meth:`Tagger._owned_tensors` found them, asked later: a key whose
+    tensor died (a gradient ``zero_grad`` dropped) or moved to another storage (a weight layerwise casting
+    re-cast) names no block, though the allocator may have given its address to a new storage since (which an op
+    outside the blocks then writes: counted as one block's, it would be counted ``n - 3`` times, or once, by where
+    the process's allocator put it)."""
+
+    def __init__(self, refs: dict[int, tuple[tuple[int, int], Any]]):
+        self.refs = refs
+
+    def get(self, key: int) -> tuple[int, int] | None:
+        entry = self.refs.get(key)
+        if entry is None:
+            return None
+        tag, ref = entry
+        if ref is not None:
+            t = ref()
+            if t is None or key not in _storages(t):
+                return None
+        return tag
 
 
 def _quant_states(block: nn.Module) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from . import _counted
+from ._memo_tagger import OwnedNow
 from .memory._fake_dispatch import extent
 from .memory.events import ALLOC, FREE
 from .step import update
@@ -118,7 +119,7 @@ class Derived:
         if self.counter is not None:
             ops, tagged = counts if counts is not None else (Counter(), Counter())
             self.counter.ops, self.counter.tagged = Counter(ops), Counter(tagged)
-            self.counter.owned = self.tagger._owned_tensors(self.runner.optimizer)  # the state step 1 made
+            self.counter.owned = OwnedNow(self.tagger._owned_refs(self.runner.optimizer))  # the state step 1 made
 
     def _backward_done(self, model: torch.nn.Module) -> None:
         rows = len(self.tracker.log.rows)
