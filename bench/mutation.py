@@ -105,7 +105,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # tests/test_compare.py runs real diffusers presets (minutes per mutant): the fast file is enough here
     "compare": ("memkit/comparison.py", ("tests/test_comparison_fast.py",)),
     # The optimizations one module each, like memory/: the whole package (17 files, ~5,000 mutants) against the
-    # tests that reach it would take hours on two cores. The others (ema, offload, lora...) are not here yet.
+    # tests that reach it would take hours on two cores.
     "optimizations": ("memkit/optimizations/__init__.py", ("tests/test_optimizations.py",)),
     "checkpointing": (
         "memkit/optimizations/checkpointing.py",
@@ -115,6 +115,15 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # chunks. A target is one file or one glob, so each is its own entry, run against the same test file.
     "feedforward": ("memkit/optimizations/feedforward.py", ("tests/test_feedforward.py",)),
     "ff_chunks": ("memkit/optimizations/_ff_chunks.py", ("tests/test_feedforward.py",)),
+    # The EMA is three files: ema.py the optimization and its handle, _ema_state.py the shadows and their buffers,
+    # _ema_update.py the update (foreach, chunked, staged through another dtype or the host)
+    "ema": ("memkit/optimizations/ema.py", ("tests/test_ema.py",)),
+    "ema_state": ("memkit/optimizations/_ema_state.py", ("tests/test_ema.py",)),
+    "ema_update": ("memkit/optimizations/_ema_update.py", ("tests/test_ema.py",)),
+    "offload": ("memkit/optimizations/offload.py", ("tests/test_offload.py",)),
+    "offload_store": ("memkit/optimizations/_offload_store.py", ("tests/test_offload.py",)),
+    "lora": ("memkit/optimizations/lora.py", ("tests/test_lora.py",)),
+    "quantization": ("memkit/optimizations/quantization.py", ("tests/test_quantization.py",)),
 }
 """Module name -> (the file or glob mutmut mutates, the test files run against each mutant)."""
 
