@@ -136,6 +136,9 @@ MARKERS: dict[str, str] = {
 }
 
 EQUIVALENT: dict[tuple[str, str], str] = {
+    ("EMA.apply", "lambda: 0,"): "the handle's undo: Handle calls it for its effect and drops what it returns",
+    ("EMA.parse", 'key, _, number = rest.rpartition("=")'): "the two differ only where the value holds two '=': "
+    "then the number (partition) or the key (rpartition) holds one, and either is refused",
     # (function, the mutated line as mutmut shows it after "+", stripped): why no behaviour can change
     **{
         ("EventLog.columns", f"cols = list(zip(*self.rows, {arg}))"): "differs only for rows of mixed widths, "

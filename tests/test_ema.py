@@ -1,5 +1,7 @@
 """memkit.EMA: the same shadows as diffusers' EMAModel, saved and loaded, every-N, errors, compare and estimate."""
 
+import json
+import re
 import warnings
 
 import pytest
@@ -443,3 +445,72 @@ def test_small_cpu_shadows_follow_the_thread_choice_and_large_ones_use_torch_s_t
     assert seen == [[7, big - 1], [big]]
     assert calls == ([1, threads] if one else [])  # one thread for the small ones, torch's count back after
     assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, reference.shadow_params, strict=True))
+
+
+def test_each_setting_s_bounds_are_allowed_and_what_lies_outside_is_refused_with_the_whole_message():
+    for allowed in (dict(decay=0.0), dict(decay=1.0), dict(min_decay=0.0), dict(min_decay=1.0), dict(update_every=1),
+                    dict(update_after_step=0), dict(chunk_mb=0.5), dict(dtype=torch.bfloat16)):  # fmt: skip
+        memkit.EMA(**allowed)
+    refused = {
+        "decay": (1.5, "decay must be in [0, 1], got 1.5"),
+        "update_every": (2.5, "update_every must be an int >= 1, got 2.5"),
+        "schedule": ("cosine", "schedule must be one of ['diffusers', 'constant'], got 'cosine'"),
+        "min_decay": (1.5, "min_decay must be in [0, 1], got 1.5"),
+        "update_after_step": (1.5, "update_after_step must be an int >= 0, got 1.5"),
+        "foreach": ("yes", "foreach must be True or False, got 'yes'"),
+        "dtype": (torch.int8, "dtype must be a floating torch.dtype or None, got torch.int8"),
+        "chunk_mb": (0, "chunk_mb must be > 0, got 0"),
+    }
+    for name, (value, message) in refused.items():
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            memkit.EMA(**{name: value})
+    with pytest.raises(ValueError, match="update_every must be an int >= 1, got True"):
+        memkit.EMA(update_every=True)  # a bool is an int to Python, not a count of steps
+    with pytest.raises(TypeError, match="^model must be a torch.nn.Module, got list$"):
+        memkit.EMA().apply([torch.zeros(2)])
+
+
+def test_parse_takes_every_n_only():
+    assert memkit.EMA.parse("offload:every=3") == memkit.EMA(mode="offload", update_every=3)
+    for value in ("device:often=4", "device:every=x", "device:every=", "device:every"):
+        with pytest.raises(ValueError, match=re.escape(f"got {value!r}")):
+            memkit.EMA.parse(value)
+
+
+def test_apply_s_handle_is_named_as_the_tables_name_it_and_owns_the_shadows():
+    model = _model()
+    with memkit.EMA(mode="cpu_only", update_every=2).apply(model) as handle:
+        assert handle.name == "ema:cpu_only:every=2" == str(memkit.EMA(mode="cpu_only", update_every=2))
+        owned = handle.owned()["ema"]
+        assert len(owned) == 4 and all(a is b for a, b in zip(owned, handle.ema.shadow_params, strict=True))
+
+
+def test_from_pretrained_reads_memkit_s_and_a_bare_folder_and_says_what_is_wrong(tmp_path):
+    model = _model()
+    ema = memkit.EMA(decay=0.9).build(model)
+    ema.save_pretrained(tmp_path / "ema")
+    back = memkit.EMA.from_pretrained(tmp_path / "ema")
+    assert back.names == [n for n, _ in model.named_parameters()]
+    config = json.loads((tmp_path / "ema" / "config.json").read_text())
+    del config["optimization_step"]  # a folder that never stepped
+    config["dtype"] = "float16"  # a model config's own dtype entry: not the EMA's setting
+    (tmp_path / "ema" / "config.json").write_text(json.dumps(config))
+    back = memkit.EMA.from_pretrained(tmp_path / "ema")
+    assert back.optimization_step == 0 and back.config.dtype is None
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    empty = str(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(f'path {empty!r} holds no .safetensors file')}$"):
+        memkit.EMA.from_pretrained(empty)
+    del config["_memkit_parameter_names"]
+    (tmp_path / "ema" / "config.json").write_text(json.dumps(config))
+    folder = str(tmp_path / "ema")
+    unordered = (f"path {folder!r} does not record the parameters' order (not written by memkit): pass model=, the "
+                 "model whose parameters the shadows follow")  # fmt: skip
+    with pytest.raises(ValueError, match=f"^{re.escape(unordered)}$"):
+        memkit.EMA.from_pretrained(folder)
+    wide = torch.nn.ModuleDict({f"x{i}": torch.nn.Linear(2, 2) for i in range(4)})  # 8 parameters the folder lacks
+    names = [n for n, _ in wide.named_parameters()]
+    missing = f"path {folder!r} holds no weights for {names[:5]} (8 missing): another model"
+    with pytest.raises(ValueError, match=f"^{re.escape(missing)}$"):
+        memkit.EMA.from_pretrained(folder, model=wide)
