@@ -497,9 +497,9 @@ def test_a_preset_builds_its_probe_directly(preset, monkeypatch):
     built = []
     real = _memo.cut
 
-    def spy(model, lengths=None):
-        built.append((lengths, [len(b) for _, _, b in real(model, lengths)] if lengths else None))
-        return real(model, lengths)
+    def spy(model, lengths=None, period=1):
+        built.append((lengths, [len(b) for _, _, b in real(model, lengths, period)] if lengths else None))
+        return real(model, lengths, period)
 
     monkeypatch.setattr(_memo, "cut", spy)
     memo, slow = both(preset, size="small")
