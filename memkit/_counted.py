@@ -3,14 +3,16 @@
 
 The counter (:class:`memkit.steptime._Counter`, the one :func:`memkit.steptime.count_ops` uses) sits inside the
 tracker's dispatch: each op reaches it first, runs through the tracker (which records it, and the probe's
-:class:`memkit._memo_tagger.Tagger` tags it), and is counted with the block the tagger says it belongs to, by the rule
-the splice follows for the op's output: inside a block's forward (recompute included), that block; in the backward, the
-block whose forward made the running autograd node; between blocks in the forward, the block before; elsewhere (the
-optimizer, ``zero_grad``), the block owning what it reads (a ``_foreach`` op per tensor: the block of its i-th
-tensor; an EMA's lerp into its one buffer of every block's shadows: the block of the shadow it writes). A memoized
-estimate runs a probe of four blocks per list, the third standing for every block but the first two and the last,
-so an op of that block counts ``n - 3`` times in a list of ``n`` blocks, every other op once: the full model's
-counts, equal to :func:`memkit.steptime.count_ops` running every block (``tests/test_counted.py``).
+:class:`memkit._memo_tagger.Tagger` tags it), and is counted with the block the tagger says it belongs to, by the
+rule the splice follows for the op's output: inside a block's forward (recompute included), that block; in the
+backward, the block whose forward made the running autograd node; between blocks in the forward, the block before;
+elsewhere (the optimizer, ``zero_grad``), the block owning what it reads (a ``_foreach`` op per tensor: the block of
+its i-th tensor; an EMA's lerp into its one buffer of every block's shadows: the block of the shadow it writes). A
+memoized estimate runs a probe of four blocks per list, the third standing for every block but the first two and the
+last, so an op of that block counts ``n - 3`` times in a list of ``n`` blocks, every other op once (with a
+checkpointing period, each block of the period the forward repeats counts for the blocks of its phase,
+:func:`memkit._memo.stands_for`): the full model's counts, equal to :func:`memkit.steptime.count_ops` running every
+block (``tests/test_counted.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +23,12 @@ from collections.abc import Iterator
 
 import torch
 
-from ._memo import _AGG, PROBE, Unsupported
+from ._memo import _AGG, Unsupported, stands_for
 from ._memo_tagger import OwnedNow
 from .memory.events import ALLOC, PHASE_CODE
 from .steptime import Op, OpCounts, _Counter, _disk_loads
 
 _EMA = PHASE_CODE["ema"]
-_MIDDLE = PROBE - 2
-"""The probe block standing for the middle blocks (the third of each list)."""
 
 
 class _TaggedCounter(_Counter):
@@ -64,10 +64,11 @@ class _TaggedCounter(_Counter):
         """The full model's counts: each probe block's ops times the blocks it stands for."""
         total = Counter(self.ops)
         if self.tagger is not None:
-            lengths = [n for _, n, _ in self.tagger.lists]
+            lists, period = self.tagger.lists, self.tagger.period
             for (op, tag), n in self.tagged.items():
-                middle = isinstance(tag, tuple) and len(tag) == 2 and tag[1] == _MIDDLE
-                total[op] += n * (lengths[tag[0]] - 3 if middle else 1)
+                block = isinstance(tag, tuple) and len(tag) == 2
+                li = tag[0] if block else None
+                total[op] += n * (stands_for(tag[1], lists[li][1], len(lists[li][2]), period) if block else 1)
         return total
 
 
@@ -91,5 +92,6 @@ def counting_step(
         derived.counter = counter
     with _disk_loads(disk), counter.hooks():
         yield out
-    memo = "counted as the estimate ran" + (f", {PROBE} blocks per list weighted" if tagger is not None else "")
+    sizes = "/".join(str(s) for s in sorted({len(b) for _, _, b in tagger.lists})) if tagger is not None else ""
+    memo = "counted as the estimate ran" + (f", {sizes} blocks per list weighted" if tagger is not None else "")
     out.append(OpCounts(Counter({k: v for k, v in counter.counts().items() if v}), dict(label=label, memo=memo)))

@@ -21,13 +21,20 @@ backward, the last one, begins it). The third probe block has a middle block on 
 going down in the backward (the second); it stands for every block but the first two and the last.
 :mod:`memkit._splice` makes the full timeline from the tagged events.
 
-Byte-equal to running every block (``estimate(..., memoize=False)``) on every preset and every supported
-setting (``tests/test_memo.py``). Settings whose memory is not a sum over blocks, or whose blocks differ from one
-another, run every block (:func:`unsupported` says why): offload (weights off the device), mixed precision (its
-cast cache of every block freed at once), a host optimizer, checkpointing patterns that pick some blocks, a model
-without a list of identical middle blocks. FSDP is memoized: the tagger's pre-hook runs before FSDP's, so a block's
-gather, reshard and the free of the gather before it are the block's events, and FSDP's input wrapping is a node of
-the block; with ``cpu_offload`` (shards in host memory) it runs every block.
+Checkpointing some blocks and not others (``"every:N"``, ``"skip-every:N"``) makes the middle blocks of two kinds,
+each one's events depending on its neighbours' kind: the probe keeps a period of N blocks where it kept one block
+(the first block and two periods, a period and the last blocks: :func:`probe_length`), each block checkpointed as the
+full block it is, and the splice repeats the period (:mod:`memkit._memo_period`).
+
+Byte-equal to running every block (``estimate(..., memoize=False)``) on every preset and every supported setting
+(``tests/test_memo.py``). Settings whose memory is not a sum over blocks, or whose blocks differ from one another,
+run every block (:func:`unsupported` says why): offload (weights off the device), mixed precision (its cast cache of
+every block freed at once), a host optimizer, checkpointing patterns whose blocks repeat in no period (a tuple of
+blocks, as ``budget_bytes`` plans; a callable; ``"first:K"``, ``"last:K"``) or whose inputs wait off the device
+(``provider="offload"``), a model without a list of identical middle blocks longer than its probe. FSDP is memoized:
+the tagger's pre-hook runs before FSDP's, so a block's gather, reshard and the free of the gather before it are the
+block's events, and FSDP's input wrapping is a node of the block; with ``cpu_offload`` (shards in host memory) it
+runs every block.
 
 An EMA is memoized in every mode (``"device"``, ``"offload"``, ``"cpu_only"``; foreach or not; any ``dtype``,
 ``update_every`` and ``chunk_mb``). Its shadows are per-parameter state: views of one buffer per dtype, on the
@@ -58,7 +65,8 @@ from .memory.events import PHASE_CODE
 
 PROBE = 4
 """Blocks the probe keeps of each list: the first three and the last. In the full model the first two and the
-last are the probe's own, and every other block repeats the third, whose neighbours are middle blocks too."""
+last are the probe's own, and every other block repeats the third, whose neighbours are middle blocks too. (A
+checkpointing pattern that repeats with a period N keeps more: :func:`probe_length`.)"""
 
 _FORWARD = PHASE_CODE["forward"]
 _AGG = ("aggregate",)  # an op that reads storages of several blocks at once: its event belongs to none
@@ -97,9 +105,12 @@ def _identical(blocks: nn.ModuleList) -> bool:
     return all(_signature(b) == middle for b in list(blocks)[1:-1])
 
 
-def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None, count_ops: bool = False) -> str | None:
+def unsupported(
+    optimizations: Sequence[Any], parallel: Any, step: Any = None, count_ops: bool = False, *, periodic: bool = True
+) -> str | None:
     """Why an estimate with these settings runs every block, or None when it can be memoized (``count_ops``: an
-    estimate that also counts its ops, or :func:`memkit.steptime.count_ops`)."""
+    estimate that also counts its ops, or :func:`memkit.steptime.count_ops`; ``periodic=False``: a probe that cannot
+    keep a checkpointing pattern's period, :func:`memkit.steptime.count_ops`' own)."""
     if step is not None and getattr(step, "mixed_precision", None) is not None:
         # autocast frees its cast cache (every block's weight copies) when the forward ends, outside the blocks
         return f"mixed_precision={step.mixed_precision!r} frees its cast cache of every block at once"
@@ -125,34 +136,85 @@ def unsupported(optimizations: Sequence[Any], parallel: Any, step: Any = None, c
                 return f"{o} (dtype={o.dtype}) is not memoized when ops are counted (a staged or host update)"
             continue
         if isinstance(o, Checkpointing):
-            if o.budget_bytes is not None or not isinstance(o.pattern, str) or o.pattern not in ("all", "none"):
-                return f"{o} checkpoints some blocks and not others"
             if o.provider == "offload":
                 return f"{o} keeps checkpoint inputs off the device"
+            from ._memo_period import period_of, why_not_periodic
+
+            if period_of(o) is None:
+                return why_not_periodic(o)
+            if period_of(o) > 1 and not periodic:
+                return f"{o} is counted from every block (a probe of one block more would shift its period's phase)"
             continue
         return f"{type(o).__name__} is not memoized (its state is not a sum over identical blocks)"
     return None
 
 
-def cut(model: nn.Module, lengths: dict[str, int] | None = None) -> list[tuple[str, int, nn.ModuleList]]:
-    """Cut each block list of ``model`` to its first :data:`PROBE` - 1 blocks and its last, in place; returns
-    (name, full length, the list) for each. With ``lengths`` (from :func:`probe_builder`) the model is a probe
-    already: its lists of those names stand for lists of those lengths."""
+def cut(
+    model: nn.Module, lengths: dict[str, int] | None = None, period: int = 1
+) -> list[tuple[str, int, nn.ModuleList]]:
+    """Cut each block list of ``model`` longer than its probe to the probe's blocks (:func:`kept`; ``period``: of
+    the checkpointing pattern, :func:`memkit._memo_period.period`), in place; returns (name, full length, the list)
+    for each. With ``lengths`` (from :func:`probe_builder`) the model is a probe already: its lists of those names
+    stand for lists of those lengths."""
     if lengths is not None:
         lists = []
         for name, module in model.named_modules():
             if name in lengths:
-                if not isinstance(module, nn.ModuleList) or len(module) != PROBE or not _identical(module):
-                    raise Unsupported(f"the probe's {name!r} is not a list of {PROBE} blocks")
+                size = probe_length(lengths[name], period)
+                if not isinstance(module, nn.ModuleList) or len(module) != size or not _identical(module):
+                    raise Unsupported(f"the probe's {name!r} is not a list of {size} blocks")
                 lists.append((name, lengths[name], module))
         return lists
-    lists = [(name, len(blocks), blocks) for name, blocks in block_lists(model)]
+    lists = [(name, len(b), b) for name, b in block_lists(model) if len(b) > probe_length(len(b), period)]
     keep = _CUT_WHOLE.get(type(model).__name__)
     if keep is not None:  # its other lists are not blocks (Chroma's approximator)
         lists = [entry for entry in lists if entry[0] in keep]
-    for _, _, blocks in lists:
-        del blocks[PROBE - 1 : -1]
+    for _, n, blocks in lists:
+        del blocks[head(period) : n - (probe_length(n, period) - head(period))]
     return lists
+
+
+def head(period: int = 1) -> int:
+    """The first blocks of a list the probe keeps as they are: the first block and a period (the backward repeats
+    that period), and with a checkpointing period of more than one block a period before it, which holds the lowest
+    checkpointed block (the backward frees there what every checkpointed block keeps, an input all blocks share)."""
+    return 2 if period == 1 else 2 * period + 1
+
+
+def probe_length(n: int, period: int = 1) -> int:
+    """Blocks the probe keeps of a list of ``n`` whose checkpointing repeats every ``period`` blocks: its
+    :func:`head`, then a period (the forward repeats it) and the last blocks, as many as make the probe's length
+    equal to ``n`` modulo ``period`` (each probe block is checkpointed as the full block it is, :func:`kept`: the
+    probe's middle periods in the full model's phase). ``period=1``: :data:`PROBE`.
+
+    Example:
+        >>> probe_length(19, 2), probe_length(38, 2), probe_length(57, 1)
+        (9, 8, 4)
+    """
+    size = head(period) + period + 1
+    return size + (n - size) % period
+
+
+def kept(n: int, size: int, period: int = 1) -> list[int]:
+    """The full blocks a probe of ``size`` blocks (:func:`probe_length`) of a list of ``n`` is: its :func:`head`
+    and its last ``size - head(period)``."""
+    return [*range(head(period)), *range(n - (size - head(period)), n)]
+
+
+def own(J: int, n: int, size: int, period: int = 1) -> int | None:
+    """The probe block that full block ``J`` is (:func:`kept`), or None for a block the probe leaves out."""
+    if J < head(period):
+        return J
+    if J >= n - (size - head(period)):
+        return J - (n - size)
+    return None
+
+
+def stands_for(b: int, n: int, size: int, period: int = 1) -> int:
+    """How many of the full list's ``n`` blocks probe block ``b`` stands for (as the forward repeats them: the
+    period after the :func:`head`, :mod:`memkit._splice`), its own included; each block's ops and EMA shadows
+    count so many times."""
+    return 1 + (n - size) // period if head(period) <= b < head(period) + period else 1
 
 
 # Which config key sets the length of each block list, per diffusers class: a preset's probe is built with at most
@@ -221,9 +283,10 @@ def refused(class_name: str) -> str | None:
     return _REFUSED.get(class_name)
 
 
-def probe_builder(preset, size: str, dtype: torch.dtype, seed: int):
+def probe_builder(preset, size: str, dtype: torch.dtype, seed: int, period: int = 1):
     """``(build, lengths)`` for a preset: ``build()`` makes the preset at ``size`` with each block list longer than
-    the probe built with :data:`PROBE` blocks (the last of them is built as the last block, as SD3 builds its own),
+    the probe built with the probe's blocks (:func:`probe_length`; the last of them is built as the last block, as SD3
+    builds its own),
     ``lengths`` maps those lists' names to their full lengths. None when the preset's lists are not known, or when
     some of a list's middle blocks are built apart (:data:`_MARKED_LAYERS`)."""
     import dataclasses
@@ -241,16 +304,16 @@ def probe_builder(preset, size: str, dtype: torch.dtype, seed: int):
     lengths = {}
     for attr, key in keys.items():
         n = config.get(key, defaults[key].default if key in defaults else None)
-        if isinstance(n, int) and n > PROBE:
+        if isinstance(n, int) and n > probe_length(n, period):
             if key in marks:
                 marked = set(config.get(marks[key], defaults[marks[key]].default) or ())
                 middle = set(range(1, n - 1))
                 if marked & middle and not middle <= marked:
                     return None
-                stands_for = [*range(PROBE - 1), n - 1]  # the probe's blocks: the first three and the last
-                config[marks[key]] = tuple(i for i, layer in enumerate(stands_for) if layer in marked)
+                probe = kept(n, probe_length(n, period), period)  # the full blocks the probe's are
+                config[marks[key]] = tuple(i for i, layer in enumerate(probe) if layer in marked)
             lengths[attr] = n
-            config[key] = PROBE
+            config[key] = probe_length(n, period)
     if not lengths:
         return None
     small = dataclasses.replace(preset, configs={**preset.configs, size: config})
@@ -273,7 +336,7 @@ def parameters(
     """The full model's parameter count from the probe's (``trainable``: of the parameters that require grad;
     ``nbytes``: their bytes, not their elements)."""
     extra = sum(
-        (n - PROBE)
+        (n - len(blocks))
         * sum(
             p.numel() * p.element_size() if nbytes else weights(p)
             for p in blocks[1].parameters()

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from . import _torch_compat as _compat
-from ._memo import _AGG, _FORWARD, PROBE, Unsupported
+from ._memo import _AGG, _FORWARD, Unsupported, stands_for
 from .memory.events import ALLOC, FREE
 
 
@@ -29,8 +29,9 @@ class Tagger:
     """Tags each event of a probe with the block it belongs to (see the module docstring): installed on a running
     tracker by :meth:`install`, read by :func:`splice`."""
 
-    def __init__(self, lists: list[tuple[str, int, nn.ModuleList]]):
+    def __init__(self, lists: list[tuple[str, int, nn.ModuleList]], period: int = 1):
         self.lists = lists
+        self.period = period  # of the checkpointing pattern: the probe's middle repeats it (memkit._memo_period)
         self.block: dict[int, tuple[int, int]] = {}
         self.inside: set[int] = set()
         self.tensor_owner: dict[int, tuple[int, int]] = {}  # id(parameter or buffer) -> block
@@ -113,6 +114,7 @@ class Tagger:
         from .memory.tracker import _plain
 
         full = {li: n for li, (_, n, _) in enumerate(self.lists)}
+        sizes = {li: len(blocks) for li, (_, _, blocks) in enumerate(self.lists)}
         for part in getattr(handle, "parts", ()):
             ema = getattr(part, "ema", None)
             if ema is None:
@@ -121,7 +123,9 @@ class Tagger:
             if [p.shape for p in params] != [s.shape for s in ema.shadow_params]:
                 raise Unsupported("an EMA's shadows are not the model's parameters, in order")
             owners = [self.tensor_owner.get(id(p)) for p in params]
-            ema.stands_for = [full[o[0]] - (PROBE - 1) if o is not None and o[1] == PROBE - 2 else 1 for o in owners]
+            ema.stands_for = [
+                stands_for(o[1], full[o[0]], sizes[o[0]], self.period) if o is not None else 1 for o in owners
+            ]
             pieces: dict[int, tuple[int, list[tuple[int, Any]]]] = {}
             for shadow, owner in zip(ema.shadow_params, owners, strict=True):
                 for t in _plain(shadow):
@@ -141,9 +145,9 @@ class Tagger:
                 added = 0
                 for li, n in full.items():
                     middle = took.get((li, 1), 0)
-                    if middle != took.get((li, PROBE - 2), 0):
+                    if any(took.get((li, b), 0) != middle for b in range(2, sizes[li] - 1)):
                         raise Unsupported(f"the middle blocks of {self.lists[li][0]!r} take different EMA bytes")
-                    added += (n - PROBE) * middle
+                    added += (n - sizes[li]) * middle
                 self.grown[key] = (nbytes, added)
 
     def shadow_block(self, t: torch.Tensor) -> Any:

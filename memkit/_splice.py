@@ -3,7 +3,8 @@
 The probe's tagged events fall into *sweeps*: runs of consecutive events that go through the blocks of one list in
 order (the forward, the backward in reverse, each ``_foreach`` op of the optimizer, ``zero_grad``). The full
 timeline is the probe's with each sweep's third block (going down: second) repeated for every middle block of the
-full model, with fresh storage keys: a free is resolved to the allocation it pairs with in the full model (in the
+full model (with a checkpointing period of N blocks, a period of N probe blocks in the full model's phase), with fresh
+storage keys: a free is resolved to the allocation it pairs with in the full model (in the
 same block, or the one at the same distance), matching two probe blocks' events as sequences where they differ
 (the first and last block do a little more or less than a middle one). Whatever does not fit raises
 :class:`~memkit._memo.Unsupported`, and the estimate runs every block instead.
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._memo import _AGG, PROBE, Unsupported
+from ._memo import _AGG, Unsupported, head, own
 from ._memo_tagger import Tagger
 from .memory.events import ALLOC, CATEGORIES, COLUMNS, PHASE_CODE
 
@@ -32,6 +33,8 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
         raise Unsupported("events were appended to the probe's log without a tag")
     tags = _filled(tagger.tags, [r[4] for r in rows])
     full = [n for _, n, _ in tagger.lists]
+    sizes = [len(blocks) for _, _, blocks in tagger.lists]  # the probe's blocks per list
+    period = tagger.period
     category = [r[3] for r in rows]
     for index, code in retags:
         category[index] = code
@@ -63,7 +66,7 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
             i += 1
             continue
         li, phase = tag[0], rows[i][4]
-        runs: list[list[int]] = [[] for _ in range(PROBE)]
+        runs: list[list[int]] = [[] for _ in range(sizes[li])]
         order: list[int] = []
         j = i
         while j < len(rows) and tags[j] is not None and tags[j] is not _AGG and tags[j][0] == li:
@@ -91,11 +94,12 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
             runs[b].append(j)
             j += 1
         order = [b for b in order if runs[b]]
-        if len(order) == 1 and order[0] not in (0, PROBE - 1):
+        up = list(range(sizes[li]))
+        if len(order) == 1 and order[0] not in (0, sizes[li] - 1):
             raise Unsupported(f"events {i}-{j} belong to block {order[0]} of {tagger.lists[li][0]!r} alone")
-        if len(order) > 1 and order not in (_UP, _DOWN):
+        if len(order) > 1 and order not in (up, up[::-1]):
             raise Unsupported(f"events {i}-{j} go through blocks {order} of list {tagger.lists[li][0]!r}")
-        sweeps.append(_Sweep(li, i, runs, order, full[li]))
+        sweeps.append(_Sweep(li, i, runs, order, full[li], period))
         i = j
 
     # baseline storages of each probe block, in registration order, and what the repeated ones add
@@ -106,12 +110,13 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
     out_baseline = dict(baseline)
     for li, n in enumerate(full):
         shapes = [
-            [(tagger.base[k].nbytes, tagger.base[k].category) for k in base_of.get((li, b), [])] for b in range(PROBE)
+            [(tagger.base[k].nbytes, tagger.base[k].category) for k in base_of.get((li, b), [])]
+            for b in range(sizes[li])
         ]
-        if shapes[1] != shapes[2]:
+        if any(shape != shapes[1] for shape in shapes[2:-1]):
             raise Unsupported(f"the middle blocks of {tagger.lists[li][0]!r} hold different state before the step")
         for nbytes, code in shapes[1]:
-            out_baseline[CATEGORIES[code]] += (n - PROBE) * nbytes
+            out_baseline[CATEGORIES[code]] += (n - sizes[li]) * nbytes
     for key, nbytes in _grown(tagger).items():  # an EMA's one buffer of every block's shadows
         out_baseline[CATEGORIES[tagger.base[key].category]] += nbytes - tagger.base[key].nbytes
 
@@ -140,8 +145,7 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
 
     def base_key(key: int, li: int, J: int) -> int:
         """The key of the baseline storage of full block J that is to its block what ``key`` is to its own."""
-        n = full[li]
-        same = {0: 0, 1: 1, n - 2: PROBE - 2, n - 1: PROBE - 1}.get(J)
+        same = own(J, full[li], sizes[li], period)
         if same is not None:
             return base_of[(li, same)][base_pos[key]]
         slot = (li, base_pos[key], J)
@@ -168,7 +172,7 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
             ol, ob = owner
             if sweep is not None and ol == sweep.li:
                 target = J + (ob - role)
-            elif ob in (0, PROBE - 1):
+            elif ob in (0, sizes[ol] - 1):
                 target = 0 if ob == 0 else full[ol] - 1
             else:
                 raise Unsupported(f"event {i} outside the blocks frees a middle block's storage")
@@ -229,37 +233,38 @@ def splice(tagger: Tagger, rows: list[tuple], retags: list[tuple[int, int]], bas
     return out, out_baseline, source
 
 
-_UP = list(range(PROBE))
-_DOWN = _UP[::-1]
-
-
 class _Sweep:
     """Consecutive probe events that go through the blocks of one list in order (or the first or last block's
-    alone). In the full model the blocks at sweep positions 0, 1 and N-1 are the probe's own; every other one
-    repeats the probe's block at position 2, whose neighbours on both sides are middle blocks too."""
+    alone). In the full model the probe's blocks are their own full blocks (:func:`memkit._memo.kept`); every other
+    one repeats a probe block of its phase in the checkpointing's period (1 without one) that comes after a middle
+    block in the sweep: going up, the period after the first one (with ``period=1``, the third block), going down,
+    the first period (the second block), so that the block before it in the sweep is a middle block too."""
 
-    def __init__(self, li: int, first: int, runs: list[list[int]], order: list[int], n: int):
-        self.li, self.first, self.runs, self.order, self.n = li, first, runs, order, n
+    def __init__(self, li: int, first: int, runs: list[list[int]], order: list[int], n: int, period: int):
+        self.li, self.first, self.runs, self.order, self.n, self.period = li, first, runs, order, n, period
+        self.size = len(runs)
         self.lone = len(order) == 1
-        self.down = order == _DOWN
-
-    def position(self, J: int) -> int:
-        return self.n - 1 - J if self.down else J
+        self.down = not self.lone and order[0] > order[-1]
+        # the probe blocks the sweep repeats for the blocks it leaves out (memkit._memo.head)
+        first = head(period)
+        self.group = range(first - period, first) if self.down else range(first, first + period)
 
     def role(self, J: int) -> int:
         """The probe block whose events full block J repeats."""
         if self.lone:
             return self.order[0]
-        p = self.position(J)
-        return self.order[0 if p == 0 else 1 if p == 1 else PROBE - 1 if p == self.n - 1 else 2]
+        b = own(J, self.n, self.size, self.period)
+        if b is not None:
+            return b
+        return self.group.start + (J - self.group.start) % self.period
 
     def repeated(self, J: int) -> bool:
-        return not self.lone and 2 <= self.position(J) < self.n - 1 and self.n - PROBE > 0
+        return not self.lone and self.n > self.size and self.role(J) in self.group
 
     def absolute(self, b: int) -> int:
         """The full block probe block b stands for outside its sweep: the first and the last block only (a middle
         block's events stand for many)."""
-        if b not in (0, PROBE - 1):
+        if b not in (0, self.size - 1):
             raise Unsupported(f"an event outside list {self.li}'s sweeps uses its middle block {b}")
         return 0 if b == 0 else self.n - 1
 
@@ -395,7 +400,7 @@ def spliced_baseline(tagger: Tagger, blocks: list[tuple[int, int, int]]) -> list
             if last != pos:
                 continue
             middle = [b for b in blocks if tagger.base_owner.get(b[0]) == (li, 1)]
-            for _ in range(full[li] - PROBE):
+            for _ in range(full[li] - len(tagger.lists[li][2])):
                 for _, nbytes, device in middle:
                     fresh -= 1
                     out.append((fresh, nbytes, device))

@@ -338,6 +338,29 @@ def fake_module_to_in_place() -> Iterator[None]:
 # --- CPU feature probes and the profiler ---------------------------------------------------------------------------
 
 
+def sized_by_values(measure: Callable) -> Callable:
+    """``measure`` with fake mode's error for an op whose output size depends on its input's values (``aten.nonzero``
+    under boolean-mask indexing, ``aten.bincount``: a mixture of experts routing tokens) turned into one that says why
+    no estimate is made: fake tensors hold no values, and the real memory follows them."""
+
+    import functools
+
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    @functools.wraps(measure)
+    def measured(**kwargs):
+        try:
+            return measure(**kwargs)
+        except DynamicOutputShapeException as e:
+            raise NotImplementedError(
+                f"{kwargs['label']} cannot be estimated: its forward sizes a tensor by the values of another "
+                f"({e.func}, as boolean-mask indexing or a mixture of experts routing tokens does); fake tensors hold "
+                "no values, and the real step's memory follows them: measure a real step with memkit.compare"
+            ) from e
+
+    return measured
+
+
 def amx_tile_supported() -> bool:
     """AMX tiles usable by this CPU and OS. torch >= 2.11: ``torch.cpu._is_amx_tile_supported()`` (the
     ``torch._C._cpu`` function moved there); torch 2.8-2.10: ``torch._C._cpu._is_amx_tile_supported()``."""

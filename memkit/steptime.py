@@ -374,7 +374,8 @@ def count_ops(
     )
     label = model if isinstance(model, str) else getattr(model, "__name__", "model")
     settings = dict(model=label, size=size, step=str(step), optimizations=[str(o) for o in optimizations], sizes=sizes)
-    why = "memoize=False" if not memoize else _memo.unsupported(optimizations, None, step, count_ops=True)
+    # its probe and one block more (below): a checkpointing pattern's period would shift its phase
+    why = "memoize=False" if not memoize else _memo.unsupported(optimizations, None, step, True, periodic=False)
     if why is None and preset is not None:
         why = _memo.refused(preset.model_class)
     lists = None

@@ -39,6 +39,18 @@ def test_the_estimates_probe_counts_what_every_block_runs(optimizations, optimiz
     assert tl.op_counts.flops > 0 and tl.op_counts.meta["memo"].endswith("4 blocks per list weighted")
 
 
+@pytest.mark.slow  # ~25 s: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
+def test_a_periodic_checkpointing_probe_counts_what_every_block_runs():
+    # every other block checkpointed: each probe block of the repeated period counts for the blocks of its phase
+    build = deep("flux", num_layers=13, num_single_layers=14)
+    opts = [memkit.LoRA(rank=4), memkit.Checkpointing(pattern="every:2")]
+    tl = memkit.estimate(build, optimizations=opts, count_ops=True, progress=False)
+    whole = count_ops(build, optimizations=opts, memoize=False)
+    assert tl.meta["memoized"] and tl.op_counts.ops == whole.ops and tl.op_counts.recompute_flops() > 0
+    # count_ops' own probe adds a block, which would shift the pattern's phase: it counts every block
+    assert "is counted from every block" in count_ops(build, optimizations=opts).meta["memo"]
+
+
 @pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_an_estimate_of_every_block_counts_each_op_once():
     build = deep("flux", num_layers=2, num_single_layers=2)

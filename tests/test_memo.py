@@ -31,7 +31,9 @@ FAST_CASES = {
     "test_a_preset_builds_its_probe_directly": set(),
     "test_a_refused_model_runs_every_block_and_says_why": {"cogview4"},
     "test_what_is_not_memoized_says_why": {
-        "kwargs0-checkpoints some blocks", "kwargs1-is not memoized when ops are counted", "kwargs2-memoize=False"},
+        "kwargs0-in no repeating period", "kwargs1-is not memoized when ops are counted", "kwargs2-memoize=False"},
+    # two lists of uneven lengths, each block checkpointed as its phase says; one list whose first block is not
+    "test_periodic_checkpointing": {"flux-every-2", "wan-skip-every-2"},
 }  # fmt: skip
 
 LAYERS = {  # more blocks per list than the probe keeps (4)
@@ -69,6 +71,12 @@ def deep(preset: str, **config):
 
     build.__name__ = preset
     return build
+
+
+def periodic(preset: str, n: int):
+    """:func:`deep` with ``n`` blocks in the preset's first list and ``n + 1`` in its second, if any."""
+    layers = {k: v if k == "approximator_layers" else n + i for i, (k, v) in enumerate(LAYERS[preset].items())}
+    return deep(preset, **layers)
 
 
 def _pairs(tl: memkit.Timeline) -> list[int]:
@@ -326,13 +334,75 @@ def test_memoized_estimate_runs_only_the_probe():
     assert tl.meta["memo"].startswith("spliced")
 
 
+def every(pattern: str, **kwargs) -> list:
+    return [memkit.Checkpointing(pattern=pattern, **kwargs)]
+
+
+PERIODIC = {  # (blocks in the first list, settings): a checkpointing pattern whose blocks repeat with a period
+    # 13 and 14 blocks: probes of 9 and 8, two and three periods repeated, an odd list and an even one
+    "every-2": (13, dict(optimizations=every("every:2"))),
+    # 17 and 18 blocks: probes of 11 and 12, two periods repeated each
+    "every-3": (17, dict(optimizations=every("every:3"))),
+    # the first block not checkpointed: the backward frees an input all blocks keep in the lowest checkpointed one
+    "skip-every-2": (13, dict(optimizations=every("skip-every:2"))),
+    "every-2-selective": (13, dict(optimizations=every("every:2", provider="selective"))),
+    # the EMA's shadows and the adapters' per block, weighed by the blocks each probe block stands for
+    "every-2-lora-ema": (13, dict(optimizations=[memkit.LoRA(rank=4), *every("every:2"), memkit.EMA()])),
+    "every-3-ff-split": (14, dict(optimizations=[*every("every:3"), memkit.FFSplit(splits=2)])),  # probe of 12
+}
+
+
+@pytest.mark.parametrize(
+    "preset, setting",
+    [
+        pytest.param(p, s, id=f"{p}-{s}")
+        for p in sorted(LAYERS)
+        if p != "ltx-2"  # CI time: its probe (15 s) is spliced in test_every_preset_default_step, extended
+        for s in PERIODIC
+        if s == "every-2" or p in ("flux", "wan", "ltx-video")
+    ],
+)
+def test_periodic_checkpointing(preset, setting):
+    """Some blocks checkpointed and not others, in a period: every middle block has a probe block of its phase whose
+    neighbours are checkpointed as its own are (memkit._memo_period), and the splice repeats the period."""
+    n, kwargs = PERIODIC[setting]
+    memo, slow = both(periodic(preset, n), **kwargs)
+    assert_same(memo, slow)
+    assert "period" in memo.meta["memo"]
+
+
+def test_a_periodic_probe_keeps_a_head_and_a_period_in_phase(monkeypatch):
+    seen = []
+    real = _splice.splice
+
+    def spy(tagger, rows, retags, baseline):
+        seen.append(([len(blocks) for _, _, blocks in tagger.lists], [n for _, n, _ in tagger.lists], tagger.period))
+        return real(tagger, rows, retags, baseline)
+
+    monkeypatch.setattr(_splice, "splice", spy)
+    memkit.estimate(periodic("flux", 13), optimizations=every("every:2"), progress=False)
+    # the first block and two periods, a period, the last block (and one more to keep 13's phase)
+    assert seen == [([9, 8], [13, 14], 2)]
+    for period in (1, 2, 3, 5):
+        for n in range(_memo.head(period) + period + 1, 40):
+            size = _memo.probe_length(n, period)
+            kept = _memo.kept(n, size, period)
+            assert len(kept) == size and (n - size) % period == 0 and size <= _memo.head(period) + 2 * period
+            assert [_memo.own(J, n, size, period) for J in kept] == list(range(size))
+            assert sum(_memo.stands_for(b, n, size, period) for b in range(size)) == n
+
+
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        (dict(optimizations=[memkit.Checkpointing(pattern="every:2")]), "checkpoints some blocks"),
+        (dict(optimizations=every("first:2")), "in no repeating period"),
         # the counter gives each op the block of the shadow it writes: a staged EMA update writes its staging buffer
         (dict(optimizations=[memkit.EMA(mode="offload")], count_ops=True), "is not memoized when ops are counted"),
         (dict(memoize=False), "memoize=False"),
+        (dict(optimizations=[memkit.Checkpointing(pattern=(0, 3))]), "a tuple of blocks (the planner's spread)"),
+        (dict(optimizations=every("every:2", provider="offload")), "keeps checkpoint inputs off the device"),
+        # a period too long for the lists: the probe would be the model
+        (dict(optimizations=every("every:4")), "longer than its probe for a checkpointing period of 4"),
         # shards offloaded to host memory: not a device timeline the splice repeats
         (dict(parallel=memkit.FSDP(world_size=2, cpu_offload=True)), "keeps memory off the device"),
     ],
@@ -391,6 +461,8 @@ def test_a_probe_that_does_not_split_falls_back(monkeypatch):
         ),
         # an EMA's one buffer of every block's shadows, grown from the probe's (~15 s, ~12 of them every block's run)
         ("flux", dict(optimizations=[memkit.EMA()])),
+        # every other block checkpointed: probes of 9 and 8 blocks for 19 and 38 (~30 s, ~24 of them every block's)
+        ("flux", dict(optimizations=every("every:2"))),
     ],
 )
 def test_full_size(preset, kwargs):
@@ -425,9 +497,9 @@ def test_a_preset_builds_its_probe_directly(preset, monkeypatch):
     built = []
     real = _memo.cut
 
-    def spy(model, lengths=None):
-        built.append((lengths, [len(b) for _, _, b in real(model, lengths)] if lengths else None))
-        return real(model, lengths)
+    def spy(model, lengths=None, period=1):
+        built.append((lengths, [len(b) for _, _, b in real(model, lengths, period)] if lengths else None))
+        return real(model, lengths, period)
 
     monkeypatch.setattr(_memo, "cut", spy)
     memo, slow = both(preset, size="small")
