@@ -14,6 +14,7 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+from conftest import CORE_PRESETS
 
 import memkit
 from memkit import _memo, _splice
@@ -355,7 +356,8 @@ PERIODIC = {  # (blocks in the first list, settings): a checkpointing pattern wh
 @pytest.mark.parametrize(
     "preset, setting",
     [
-        pytest.param(p, s, id=f"{p}-{s}")
+        # CI time: the presets beyond the core ones are slow, so the extended tier (tests/conftest.py) runs them
+        pytest.param(p, s, marks=() if p in CORE_PRESETS else pytest.mark.slow, id=f"{p}-{s}")
         for p in sorted(LAYERS)
         if p != "ltx-2"  # CI time: its probe (15 s) is spliced in test_every_preset_default_step, extended
         for s in PERIODIC
