@@ -66,9 +66,10 @@ class _TaggedCounter(_Counter):
         if self.tagger is not None:
             lists, period = self.tagger.lists, self.tagger.period
             for (op, tag), n in self.tagged.items():
-                block = isinstance(tag, tuple) and len(tag) == 2
-                li = tag[0] if block else None
-                total[op] += n * (stands_for(tag[1], lists[li][1], len(lists[li][2]), period) if block else 1)
+                if isinstance(tag, tuple) and len(tag) == 2:  # a probe block's: times the blocks it stands for
+                    _, full, blocks = lists[tag[0]]
+                    n *= stands_for(tag[1], full, len(blocks), period)
+                total[op] += n
         return total
 
 
