@@ -197,7 +197,7 @@ def plan(
             (``quantize`` with LoRA, ``ema`` with a fixed EMA, ``fsdp`` with ``gpus`` > 1): ``offload`` only when
             named (it cannot beat checkpointing every block; see :data:`DEFAULT_SEARCH`).
         levels: a dimension's levels instead of its default ones, fastest first, of those :data:`CATALOGUE` lists
-            (``{"checkpointing": (None, "every:2", "all")}``: partial checkpointing, a full estimate each).
+            (``{"checkpointing": (None, "every:4", "every:2", "all")}``: every 4th block too).
         gpus: the GPUs the run has: above 1, ``fsdp`` searches sharding over each divisor of it (rank 0's memory;
             replicated over the rest).
         size, estimate_kwargs: :func:`memkit.estimate`'s (``batch_size``, ``mixed_precision``, ``height``...); the

@@ -28,7 +28,7 @@ switched on) to the one saving the most memory:
 - ``optimizer``: AdamW, then bitsandbytes' 8-bit AdamW (the same maths, one byte per moment);
 - ``quantize`` (LoRA runs: the frozen base): none, fp8 storage (diffusers' layerwise casting), nf4 (QLoRA);
 - ``ff_split``: none, the feed-forward in 4 sequential chunks;
-- ``checkpointing``: none, every block (``levels=`` adds ``every:4``/``every:2``: not memoized, a full estimate each);
+- ``checkpointing``: none, every 2nd block, every block (``levels=`` adds ``every:4``);
 - ``ema`` (with an EMA among the fixed optimizations): its shadows on the device, offloaded, updated on the CPU;
 - ``fsdp`` (``gpus=N`` above 1): none, then FSDP over each divisor of N (rank 0's memory);
 - ``offload`` (only when ``search`` names it): none, the blocks' weights in CPU memory (disk holds the same GPU bytes);
