@@ -313,8 +313,10 @@ def _offload_to_host(model: torch.nn.Module) -> list:
                 _compat.set_local_tensor(grad, local.clone())
 
     # FSDP2 runs a shard's post-accumulate-grad hooks itself once its gradient is set; these come before a
-    # tracker's (registered when tracking starts), so the tracker sees the host copy
-    return [fp.sharded_param.register_post_accumulate_grad_hook(to_host) for fp in params]
+    # tracker's (registered when tracking starts), so the tracker sees the host copy. A frozen shard (a LoRA run's
+    # base) gets no gradient, and torch refuses a gradient hook on it
+    trainable = [fp.sharded_param for fp in params if fp.sharded_param.requires_grad]
+    return [p.register_post_accumulate_grad_hook(to_host) for p in trainable]
 
 
 _fsdp_params = _compat.fsdp_params

@@ -426,6 +426,29 @@ def test_cpu_offload_keeps_rank_0s_shards_in_host_memory_and_off_the_gpu_peak():
 
 
 @pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
+def test_cpu_offload_of_a_lora_run_keeps_the_frozen_base_shards_on_the_host_without_gradients():
+    """A LoRA run's base is frozen: its shards get no gradient, and torch refuses a gradient hook on them (memkit
+    hooked every shard until this test: RuntimeError "cannot register a hook on a tensor that doesn't require
+    gradient"). The shards of every parameter live in host memory, the gradients and AdamW's state only the
+    adapters'."""
+    n, lora = 2, memkit.LoRA(rank=4)
+    fake, real = _fake(n, optimizations=[lora], cpu_offload=True), _real(n, optimizations=[lora], cpu_offload=True)
+    assert fake.peak_bytes == real.peak_bytes and fake.peak_by_category() == real.peak_by_category()
+    model = _tiny()
+    with lora.apply(model):
+        params = list(model.parameters())
+        trainable = [p for p in params if p.requires_grad]
+    assert 0 < len(trainable) < len(params)
+    fsdp = memkit.FSDP(world_size=n, cpu_offload=True)
+    tl = memkit.estimate(PRESET, size="tiny", optimizations=[lora], parallel=fsdp, optimizer="adamw", device="cuda",
+                         dtype=torch.float32, progress=False)  # fmt: skip
+    host = tl.meta["host_bytes"]
+    assert host["parameter"] == _shard_bytes(params, n)
+    assert host["gradient"] == _shard_bytes(trainable, n)
+    assert host["optimizer_state"] == 2 * _shard_bytes(trainable, n) + 4 * len(trainable)
+
+
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
 def test_cpu_offload_copies_each_shard_to_the_gpu_for_its_all_gather():
     # A GPU's FSDP copies the host shard to the device before each all-gather (on a CPU mesh ``.to`` is a no-op, so
     # memkit makes that copy): in forward every parameter is gathered once, so once each padded shard.
