@@ -16,7 +16,6 @@ from ._plan_space import (
     CONFLICTS,
     DEFAULT_SEARCH,
     DIMENSIONS,
-    EMA_OFFLOAD_UNDER_FSDP,
     RELAX_ORDER,
     WEIGHTS,
     at_most,
@@ -283,11 +282,6 @@ def plan(
     pinned = {"fsdp": fixed_dims["fsdp"].world_size} if "fsdp" in fixed_dims else {}
     if ema is not None and "ema" not in dims:
         pinned["ema"] = ema.mode
-        if ema.mode == "offload" and "fsdp" in pinned:
-            raise ValueError(f"the fixed {ema} cannot go with the fixed {fixed_dims['fsdp']}: {EMA_OFFLOAD_UNDER_FSDP}")
-        if ema.mode == "offload" and "fsdp" in dims:
-            refused["fsdp"] = f"{EMA_OFFLOAD_UNDER_FSDP}: it conflicts with the fixed {ema}"
-            dims.remove("fsdp")
 
     def objects(levels: dict[str, Any]) -> tuple:
         return _objects(levels, fixed, lora_object)

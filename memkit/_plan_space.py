@@ -105,21 +105,13 @@ def at_most(a: Mapping[str, Any], b: Mapping[str, Any], space: Mapping[str, Sequ
     return True
 
 
-EMA_OFFLOAD_UNDER_FSDP = (
-    "memkit.EMA(mode='offload') fails under memkit.FSDP (its device staging buffer is a plain tensor, the shards are "
-    "DTensors: torch refuses the mixed _foreach_copy_); its device and cpu_only placements work"
-)
-
-
 def conflict(levels: Mapping[str, Any], pinned: Mapping[str, Any] | None = None) -> str | None:
     """Why ``levels`` (beside the fixed settings' ``pinned`` levels) cannot be estimated, or None: two dimensions of
-    :data:`CONFLICTS` both on, or an offloaded EMA under FSDP."""
+    :data:`CONFLICTS` both on."""
     levels = {**(pinned or {}), **levels}
     for (x, y), why in CONFLICTS.items():
         if levels.get(x) is not None and levels.get(y) is not None:
             return why
-    if levels.get("fsdp") is not None and levels.get("ema") == "offload":
-        return EMA_OFFLOAD_UNDER_FSDP
     return None
 
 

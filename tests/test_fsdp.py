@@ -476,6 +476,20 @@ def test_an_ema_of_cpu_offloaded_shards_lives_beside_them_in_host_memory():
     assert _live_max(tl, "ema") == 0 and tl.baseline_by_category["ema"] == 0
 
 
+@pytest.mark.slow  # several seconds: `make test` and CI run it, the edit-test loop (make test-fast) leaves it out
+def test_an_offloaded_ema_of_the_shards_stages_their_local_shards_through_the_gpu():
+    """EMA(mode="offload") under FSDP: host shadows of rank 0's shards, each update staged through device buffers by
+    the shards' local tensors (torch refused the DTensor shards beside the plain buffers: "got mixed torch.Tensor and
+    DTensor", until this test). The device holds the staging buffers only, at most 1/64 of the shadows each."""
+    n = 2
+    tl = estimate_cpu(PRESET, size="tiny", optimizer="adamw", device="cuda", optimizations=[memkit.EMA(mode="offload")],
+                      parallel=memkit.FSDP(world_size=n))  # fmt: skip
+    shards = _shard_bytes(list(_tiny().parameters()), n)
+    assert tl.meta["host_bytes"]["ema"] == shards and tl.baseline_by_category["ema"] == 0
+    staged = tl.to_pandas().query("phase == 'ema' and action == 'alloc' and device == 'cuda'")
+    assert len(staged) > 0 and staged["bytes"].max() <= _gpu_bytes(max(shards // 64, 4 * 2**16))
+
+
 def test_group_offload_is_refused_with_fsdp_pointing_to_its_cpu_offload(tmp_path):
     fsdp = memkit.FSDP(world_size=2)
     offload = memkit.Offload(to="disk", path=tmp_path)

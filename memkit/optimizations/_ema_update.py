@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import _torch_compat as _compat
+
 if TYPE_CHECKING:
     from .ema import EMA
 
@@ -61,8 +63,9 @@ def _lerp(
         elif near and p.dtype == s.dtype and p.device == compute:
             direct_s.append(s)
             direct_p.append(p)
-        else:
-            staged.append((s, p.detach()))
+        else:  # a DTensor pair (FSDP's shards) by its local shards: the staging buffers are plain tensors
+            s, p = _shard(s), _shard(p.detach())
+            staged.append((s, p))
             staged_total += s.numel() * (stands_for[i] if stands_for is not None else 1)
     if direct_s:
         if compute.type == "cpu":
@@ -82,6 +85,12 @@ def _lerp(
             _direct(direct_s, direct_p, weight, cfg.foreach)
     if staged:
         _lerp_staged(staged, weight, compute, cfg, non_blocking, stream, staged_total)
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (torch refuses to mix DTensors with plain tensors in one op), else ``t``."""
+    local = _compat.local_tensor(t)
+    return t if local is None else local
 
 
 ONE_THREAD_BYTES = 32 << 20
