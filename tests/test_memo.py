@@ -354,11 +354,21 @@ PERIODIC = {  # (blocks in the first list, settings): a checkpointing pattern wh
 }
 
 
+def _periodic_tier(preset: str, setting: str):
+    if preset not in CORE_PRESETS:
+        return pytest.mark.slow
+    if preset in ("wan", "ltx-video") and setting not in ("every-2", "skip-every-2"):
+        return pytest.mark.extended
+    return ()
+
+
 @pytest.mark.parametrize(
     "preset, setting",
     [
-        # CI time: the presets beyond the core ones are slow, so the extended tier (tests/conftest.py) runs them
-        pytest.param(p, s, marks=() if p in CORE_PRESETS else pytest.mark.slow, id=f"{p}-{s}")
+        # CI time: the presets beyond the core ones are slow, so the extended tier (tests/conftest.py) runs them; so
+        # are Wan's and LTX-Video's combinations (~85 CPU-s): their one list's splice is the plain patterns' (every-2,
+        # skip-every-2, kept here), and each combination runs on Flux's two lists here
+        pytest.param(p, s, marks=_periodic_tier(p, s), id=f"{p}-{s}")
         for p in sorted(LAYERS)
         if p != "ltx-2"  # CI time: its probe (15 s) is spliced in test_every_preset_default_step, extended
         for s in PERIODIC
