@@ -18,12 +18,15 @@ settings are not held to it."""
 
 def _time_bound(levels: dict[str, Any], seen: Mapping[tuple, list[Any]], space) -> float:
     """A lower bound of ``levels``'s step time: the longest of the estimated configurations that switch on no more of
-    each :data:`TIME_MONOTONE` dimension and the same of every other (0 where there is none)."""
+    each :data:`TIME_MONOTONE` dimension and the same of every other (0 where there is none); one estimated before a
+    dimension left the search counts where it had that dimension off."""
     bound = 0.0
     for cands in seen.values():
         c = cands[0]
-        if c.step_seconds is None or c.levels.keys() != levels.keys():
+        if c.step_seconds is None or not levels.keys() <= c.levels.keys():
             continue
+        if any(c.levels[d] != space[d][0] for d in c.levels.keys() - levels.keys()):
+            continue  # a dimension that has left the search since (a refused one), switched on in ``c``
         if all(
             rank(d, c.levels[d], space[d]) <= rank(d, v, space[d]) if d in TIME_MONOTONE else c.levels[d] == v
             for d, v in levels.items()

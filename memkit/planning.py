@@ -45,7 +45,9 @@ where two dimensions do not compose: FSDP with a quantized base or with offloadi
 such pairs are never estimated, and a fixed setting that conflicts with a dimension leaves it out, in ``Plan.refused``).
 If none fits, nothing does, and the plan says so with the smallest peak found and what holds it. Then it relaxes one
 dimension at a time, the most expensive in step time first, to the lowest level that still fits, and certifies that no
-cheaper configuration fits, pruning those that switch on no more than one that failed. Two dimensions are not a chain,
+cheaper configuration fits, pruning those that switch on no more than one that failed (and, with step times, those
+that cannot be faster than the fastest fitting one found: a step-time bound from the configurations estimated, which
+switch on no more of quantization, the split or checkpointing). Two dimensions are not a chain,
 as measured: FSDP over k GPUs saves more than over fewer but is not compared with no FSDP (Flux small at 256x256, LoRA
 r4: 128 MiB reserved unsharded, 140 over 2 GPUs; full Flux LoRA r16, all checkpointed: 25.1, 15.0, 9.2, 6.4 GiB over 1,
 2, 4, 8); offloading compares with nothing (in training the optimizer step onloads every group: full Flux LoRA r16 all

@@ -451,3 +451,26 @@ def test_the_command_line_s_plot_writes_a_png(tmp_path, monkeypatch, capsys):
     out = tmp_path / "plan.png"
     assert main(["plan", PRESET, "--gpu", "4090", "--lora", "4", "--plot", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and f"wrote {out}" in capsys.readouterr().out
+
+
+def test_a_step_time_bound_counts_configurations_estimated_before_a_dimension_left_the_search():
+    """The bound on a configuration's step time (memkit._plan_fastest) is the slowest estimated configuration that
+    switches on no more of quantization, the split and checkpointing, and the same of the rest. One estimated while
+    a dimension was still searched (the split, before LoRA in the feed-forward refused it) counts where it had that
+    dimension off, not where it had it on: with LoRA on full Flux this pruned 8-bit AdamW + fp8 storage + every
+    block checkpointed from a 4090's plan (8 estimates instead of 9)."""
+    from types import SimpleNamespace
+
+    from memkit._plan_fastest import _time_bound
+
+    def seen(*cands):
+        return {i: [SimpleNamespace(levels=levels, step_seconds=t)] for i, (levels, t) in enumerate(cands)}
+
+    later = {"optimizer": "adamw8bit", "quantize": "fp8-storage", "checkpointing": "all"}
+    off = {"optimizer": "adamw8bit", "quantize": None, "ff_split": None, "checkpointing": "all"}
+    on = {**off, "ff_split": 4}
+    assert _time_bound(later, seen((off, 3.0)), DIMENSIONS) == 3.0
+    assert _time_bound(later, seen((on, 3.5)), DIMENSIONS) == 0.0  # switched on there: no bound
+    assert _time_bound(later, seen((off, 3.0), ({**off, "checkpointing": "every:2"}, 2.5)), DIMENSIONS) == 3.0
+    assert _time_bound(later, seen(({**off, "optimizer": "adamw"}, 9.0)), DIMENSIONS) == 0.0  # another optimizer
+    assert _time_bound(later, seen(({**off, "quantize": "nf4"}, 9.0)), DIMENSIONS) == 0.0  # switches on more
