@@ -37,7 +37,7 @@ def _grid(size: str, rank: int) -> list[tuple[dict, int, float]]:
         opts = [memkit.Quantize(method=levels["quantize"])] if levels["quantize"] else []
         opts.append(memkit.LoRA(rank=rank))
         if levels["checkpointing"]:
-            opts.append(memkit.Checkpointing())
+            opts.append(memkit.Checkpointing(pattern=levels["checkpointing"]))
         tl = memkit.estimate("flux", size=size, optimizations=opts, optimizer=levels["optimizer"], count_ops=True,
                              progress=False)  # fmt: skip
         cards = {g: memkit.gpus.find(g) for g in GPUS}
