@@ -514,3 +514,105 @@ def test_from_pretrained_reads_memkit_s_and_a_bare_folder_and_says_what_is_wrong
     missing = f"path {folder!r} holds no weights for {names[:5]} (8 missing): another model"
     with pytest.raises(ValueError, match=f"^{re.escape(missing)}$"):
         memkit.EMA.from_pretrained(folder, model=wide)
+
+
+def test_state_dict_holds_diffusers_keys_and_memkit_s_schedule_which_a_load_takes():
+    ema = memkit.EMA(decay=0.8, schedule="constant", update_every=3).build(_model())
+    state = ema.state_dict()
+    diffusers_keys = set(EMAModel(_model().parameters()).state_dict())
+    assert set(state) == diffusers_keys | {"schedule", "update_every"}
+    assert (state["schedule"], state["update_every"]) == ("constant", 3)
+    other = memkit.EMA().build(_model(1))
+    other.load_state_dict(state)
+    assert (other.config.schedule, other.config.update_every, other.config.decay) == ("constant", 3, 0.8)
+
+
+def test_save_pretrained_writes_diffusers_file_names_metadata_and_indented_json_and_may_write_twice(tmp_path):
+    from safetensors import safe_open
+
+    model = _model()
+    ema = memkit.EMA(mode="cpu_only", foreach=False, chunk_mb=3.0).build(model)
+    ema.save_pretrained(tmp_path / "one")
+    ema.save_pretrained(tmp_path / "one")  # into a folder that exists: overwritten, as diffusers does
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+        "config.json",
+        "diffusion_pytorch_model.safetensors",
+    ]
+    with safe_open(tmp_path / "one" / "diffusion_pytorch_model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what transformers' and diffusers' loaders look for
+    text = (tmp_path / "one" / "config.json").read_text()
+    assert text == json.dumps(json.loads(text), indent=2)  # diffusers writes its configs indented by 2
+    back = memkit.EMA.from_pretrained(tmp_path / "one")
+    assert (back.config.mode, back.config.foreach, back.config.chunk_mb) == ("cpu_only", False, 3.0)
+    ema.save_pretrained(tmp_path / "shards", max_shard_size=1000)  # 16*32*4 bytes: the first weight alone is 2048
+    files = sorted(p.name for p in (tmp_path / "shards").iterdir())
+    shards = [n for n in files if n.endswith(".safetensors")]
+    assert len(shards) > 1 and all(
+        re.fullmatch(r"diffusion_pytorch_model-\d{5}-of-\d{5}\.safetensors", n) for n in shards
+    )
+    index = (tmp_path / "shards" / "diffusion_pytorch_model.safetensors.index.json").read_text()
+    assert index == json.dumps(json.loads(index), indent=2)
+    assert set(json.loads(index)["weight_map"].values()) == set(shards)
+
+
+def test_save_pretrained_of_bare_tensors_names_them_by_position(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _model()
+    ema = EMAState(list(model.parameters()), decay=0.9)
+    assert ema.config == memkit.EMA(decay=0.9)
+    ema.save_pretrained(tmp_path / "ema")
+    saved = load_file(tmp_path / "ema" / "diffusion_pytorch_model.safetensors")
+    assert sorted(saved) == [f"shadow_params.{i}" for i in range(4)]
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(saved[f"shadow_params.{i}"], p)
+    back = memkit.EMA.from_pretrained(tmp_path / "ema")
+    assert back.names == [f"shadow_params.{i}" for i in range(4)]
+
+
+def test_a_diffusers_model_s_config_is_written_as_diffusers_writes_it(tmp_path):
+    from pathlib import Path
+
+    import diffusers
+    import numpy as np
+    from diffusers import ModelMixin
+    from diffusers.configuration_utils import ConfigMixin, register_to_config
+
+    class Tiny(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, scale=(1.0,), where=".", depth=2):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    model = Tiny(scale=np.array([1.5, 2.0]), where=Path("some/folder"))  # depth left at its default
+    assert "_use_default_values" in model.config  # diffusers' own key, which its config.json leaves out
+    memkit.EMA().build(model).save_pretrained(tmp_path / "ema")
+    config = json.loads((tmp_path / "ema" / "config.json").read_text())
+    assert config["scale"] == [1.5, 2.0] and config["where"] == "some/folder"  # numpy as a list, others as str
+    assert config["_class_name"] == "Tiny" and config["depth"] == 2
+    assert config["_diffusers_version"] == diffusers.__version__
+    assert not [k for k in config if k.startswith("_") and k not in ("_class_name", "_diffusers_version",
+                                                                      "_memkit_parameter_names")]  # fmt: skip
+
+
+def test_settings_given_beside_a_config_replace_its_values():
+    params = list(_model().parameters())
+    ema = EMAState(params, config=memkit.EMA(mode="cpu_only", decay=0.5), update_every=2)
+    assert ema.config == memkit.EMA(mode="cpu_only", decay=0.5, update_every=2)
+    assert EMAState(params, config=memkit.EMA(decay=0.5)).config == memkit.EMA(decay=0.5)
+    assert EMAState(params).config == memkit.EMA()
+
+
+def test_the_warmup_schedule_is_diffusers_with_any_inv_gamma_and_power():
+    params = list(_model().parameters())
+    settings = dict(decay=0.9999, min_decay=0.0, use_ema_warmup=True, inv_gamma=2.0, power=0.5, update_after_step=3)
+    ref = EMAModel(params, **settings)
+    ema = EMAState(params, **settings)
+    for step in (1, 3, 4, 5, 10, 100, 10_000):
+        assert ema.get_decay(step) == pytest.approx(ref.get_decay(step), abs=1e-12), step
+
+
+def test_a_parameter_list_of_another_length_is_refused_with_the_counts():
+    ema = memkit.EMA().build(_model())
+    with pytest.raises(ValueError, match="^parameters has 3 tensors, the EMA was built for 4$"):
+        ema.step(list(_model().parameters())[:3])
