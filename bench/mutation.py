@@ -749,6 +749,10 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     },
     # ---- optimizations/_ema_state.py
     (
+        "EMAState.__init__",
+        "self.config = replace(config or EMA(), **settings) if (settings) or True else (config or EMA())",
+    ): "replace() with no settings makes an equal copy of the frozen config: the same values, compared by value",
+    (
         "EMAState.save_pretrained",
         'def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int | str = "10gb") -> None:',
     ): "huggingface_hub's parse_size_to_int reads a size's unit case-insensitively: '10gb' is '10GB'",
