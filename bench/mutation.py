@@ -133,6 +133,12 @@ MARKERS: dict[str, str] = {
     "checkpointing": "not slow",
     "feedforward": "not slow",
     "ff_chunks": "not slow",
+    # each file's slow cases are full-size models, the README table, the CLI and every preset again (tens of seconds
+    # per mutant); `make test-fast` keeps one case per code path, and those run against each mutant
+    "lora": "not slow",
+    "quantization": "not slow",
+    "offload": "not slow",
+    "offload_store": "not slow",
 }
 
 EQUIVALENT: dict[tuple[str, str], str] = {
@@ -741,6 +747,39 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         ): "tensor_split returns exactly splits pieces of every tensor, so the lists zipped have the same length"
         for arg in ("strict=None", "", "strict=False")
     },
+    # ---- optimizations/_ema_state.py
+    (
+        "EMAState.__init__",
+        "self.config = replace(config or EMA(), **settings) if (settings) or True else (config or EMA())",
+    ): "replace() with no settings makes an equal copy of the frozen config: the same values, compared by value",
+    (
+        "EMAState.save_pretrained",
+        'def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int | str = "10gb") -> None:',
+    ): "huggingface_hub's parse_size_to_int reads a size's unit case-insensitively: '10gb' is '10GB'",
+    **{
+        ("EMAState.save_pretrained", line): "safetensors' save_file copies a tensor that is not on the CPU to the "
+        "CPU itself (safetensors/torch.py _tobytes): the same bytes in the file"
+        for line in (
+            "tensors = {n: s.detach().to(None).contiguous() for n, s in zip(names, self.shadow_params, strict=True)}",
+            "tensors.update({n: b.detach().to(None).contiguous() for n, b in self._buffers.items()})",
+        )
+    },
+    **{
+        (
+            "EMAState.save_pretrained",
+            f'tensors = {{n: s.detach().to("cpu").contiguous() for n, s in zip(names, self.shadow_params, {arg})}}',
+        ): "names has one entry per shadow by construction (the model's named_parameters, or one per position)"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    **{
+        ("EMAState.save_pretrained", f"shard = {{k: tensors[k] if {cond} else tensors[k].clone() for k in keys}}"): (
+            "the installed safetensors (0.8) refuses only tensors whose bytes overlap (torch.py "
+            "_filter_shared_not_shared), and the shadows' views are disjoint: cloned or not, the same file"
+        )
+        for cond in ("(_alone(tensors[k])) and False", "(_alone(tensors[k])) or True")
+    },
+    ("_alone", "return t.untyped_storage().nbytes() != t.nbytes"): "its one caller chooses whether to clone a "
+    "tensor before safetensors writes it, and a clone writes the same bytes (see save_pretrained above)",
 }
 """Surviving mutants that change no observable behaviour, with the reason. Matched by function and mutated
 line (not by mutmut's mutant number, which shifts when a function changes): an entry that stops matching

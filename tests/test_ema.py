@@ -514,3 +514,207 @@ def test_from_pretrained_reads_memkit_s_and_a_bare_folder_and_says_what_is_wrong
     missing = f"path {folder!r} holds no weights for {names[:5]} (8 missing): another model"
     with pytest.raises(ValueError, match=f"^{re.escape(missing)}$"):
         memkit.EMA.from_pretrained(folder, model=wide)
+
+
+def test_state_dict_holds_diffusers_keys_and_memkit_s_schedule_which_a_load_takes():
+    ema = memkit.EMA(decay=0.8, schedule="constant", update_every=3).build(_model())
+    state = ema.state_dict()
+    diffusers_keys = set(EMAModel(_model().parameters()).state_dict())
+    assert set(state) == diffusers_keys | {"schedule", "update_every"}
+    assert (state["schedule"], state["update_every"]) == ("constant", 3)
+    other = memkit.EMA().build(_model(1))
+    other.load_state_dict(state)
+    assert (other.config.schedule, other.config.update_every, other.config.decay) == ("constant", 3, 0.8)
+
+
+def test_save_pretrained_writes_diffusers_file_names_metadata_and_indented_json_and_may_write_twice(tmp_path):
+    from safetensors import safe_open
+
+    model = _model()
+    ema = memkit.EMA(mode="cpu_only", foreach=False, chunk_mb=3.0).build(model)
+    ema.save_pretrained(tmp_path / "one")
+    ema.save_pretrained(tmp_path / "one")  # into a folder that exists: overwritten, as diffusers does
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+        "config.json",
+        "diffusion_pytorch_model.safetensors",
+    ]
+    with safe_open(tmp_path / "one" / "diffusion_pytorch_model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what transformers' and diffusers' loaders look for
+    text = (tmp_path / "one" / "config.json").read_text()
+    assert text == json.dumps(json.loads(text), indent=2)  # diffusers writes its configs indented by 2
+    back = memkit.EMA.from_pretrained(tmp_path / "one")
+    assert (back.config.mode, back.config.foreach, back.config.chunk_mb) == ("cpu_only", False, 3.0)
+    ema.save_pretrained(tmp_path / "shards", max_shard_size=1000)  # 16*32*4 bytes: the first weight alone is 2048
+    files = sorted(p.name for p in (tmp_path / "shards").iterdir())
+    shards = [n for n in files if n.endswith(".safetensors")]
+    assert len(shards) > 1 and all(
+        re.fullmatch(r"diffusion_pytorch_model-\d{5}-of-\d{5}\.safetensors", n) for n in shards
+    )
+    index = (tmp_path / "shards" / "diffusion_pytorch_model.safetensors.index.json").read_text()
+    assert index == json.dumps(json.loads(index), indent=2)
+    assert set(json.loads(index)["weight_map"].values()) == set(shards)
+
+
+def test_save_pretrained_of_bare_tensors_names_them_by_position(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _model()
+    ema = EMAState(list(model.parameters()), decay=0.9)
+    assert ema.config == memkit.EMA(decay=0.9)
+    ema.save_pretrained(tmp_path / "ema")
+    saved = load_file(tmp_path / "ema" / "diffusion_pytorch_model.safetensors")
+    assert sorted(saved) == [f"shadow_params.{i}" for i in range(4)]
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(saved[f"shadow_params.{i}"], p)
+    back = memkit.EMA.from_pretrained(tmp_path / "ema")
+    assert back.names == [f"shadow_params.{i}" for i in range(4)]
+
+
+def test_a_diffusers_model_s_config_is_written_as_diffusers_writes_it(tmp_path):
+    from pathlib import Path
+
+    import diffusers
+    import numpy as np
+    from diffusers import ModelMixin
+    from diffusers.configuration_utils import ConfigMixin, register_to_config
+
+    class Tiny(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, scale=(1.0,), where=".", depth=2):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    model = Tiny(scale=np.array([1.5, 2.0]), where=Path("some/folder"))  # depth left at its default
+    assert "_use_default_values" in model.config  # diffusers' own key, which its config.json leaves out
+    memkit.EMA().build(model).save_pretrained(tmp_path / "ema")
+    config = json.loads((tmp_path / "ema" / "config.json").read_text())
+    assert config["scale"] == [1.5, 2.0] and config["where"] == "some/folder"  # numpy as a list, others as str
+    assert config["_class_name"] == "Tiny" and config["depth"] == 2
+    assert config["_diffusers_version"] == diffusers.__version__
+    assert not [k for k in config if k.startswith("_") and k not in ("_class_name", "_diffusers_version",
+                                                                      "_memkit_parameter_names")]  # fmt: skip
+
+
+def test_settings_given_beside_a_config_replace_its_values():
+    params = list(_model().parameters())
+    ema = EMAState(params, config=memkit.EMA(mode="cpu_only", decay=0.5), update_every=2)
+    assert ema.config == memkit.EMA(mode="cpu_only", decay=0.5, update_every=2)
+    assert EMAState(params, config=memkit.EMA(decay=0.5)).config == memkit.EMA(decay=0.5)
+    assert EMAState(params).config == memkit.EMA()
+
+
+def test_the_warmup_schedule_is_diffusers_with_any_inv_gamma_and_power():
+    params = list(_model().parameters())
+    settings = dict(decay=0.9999, min_decay=0.0, use_ema_warmup=True, inv_gamma=2.0, power=0.5, update_after_step=3)
+    ref = EMAModel(params, **settings)
+    ema = EMAState(params, **settings)
+    for step in (1, 3, 4, 5, 10, 100, 10_000):
+        assert ema.get_decay(step) == pytest.approx(ref.get_decay(step), abs=1e-12), step
+
+
+def test_a_parameter_list_of_another_length_is_refused_with_the_counts():
+    ema = memkit.EMA().build(_model())
+    with pytest.raises(ValueError, match="^parameters has 3 tensors, the EMA was built for 4$"):
+        ema.step(list(_model().parameters())[:3])
+
+
+def test_one_staged_parameter_and_the_smallest_chunk_stage_one_element_at_a_time():
+    # an fp32 EMA of a bf16 layer: each update stages the parameters through an fp32 buffer of chunk_mb; at 1 byte
+    # the buffer holds the one element the floor allows (4 bytes), and a layer without bias is one staged pair
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False).to(torch.bfloat16)
+    ema = memkit.EMA(decay=0.9, schedule="constant", dtype=torch.float32, chunk_mb=2**-20).build(model)
+    _nudge(model, 1)
+    expected = ema.shadow_params[0] + 0.1 * (model.weight.float() - ema.shadow_params[0])
+    with memkit.track() as tl:
+        ema.step(model)
+    assert tl.peak_bytes == 4
+    torch.testing.assert_close(ema.shadow_params[0], expected, atol=1e-7, rtol=0)
+
+
+def test_the_staging_buffer_holds_chunk_mb_or_a_64th_of_what_the_shadows_stand_for_at_least_2_16_elements():
+    # an fp32 EMA of a bf16 layer of 64 x 64 = 2**12 elements, staged through one fp32 buffer; what the update
+    # allocates is that buffer alone (the shadows are on the compute device: no shadow buffer)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    peaks = []
+    for chunk_mb, stands_for in ((0.5, None), (0.5, [2**16]), (0.125, [2**16]), (2.0, [2**12])):
+        ema = memkit.EMA(decay=0.9, schedule="constant", dtype=torch.float32, chunk_mb=chunk_mb).build(model)
+        ema.stands_for = stands_for  # as a memoized estimate's probe sets it
+        _nudge(model, 1)
+        expected = ema.shadow_params[0] + 0.1 * (model.weight.float() - ema.shadow_params[0])
+        with memkit.track() as tl:
+            ema.step(model)
+        peaks.append(tl.peak_bytes)
+        torch.testing.assert_close(ema.shadow_params[0], expected, atol=1e-7, rtol=0)
+    # a 64th of 2**12 is under the floor: 2**16 fp32 elements; standing for 2**16 such layers, a 64th of 2**28 is
+    # 2**22, over chunk_mb's 0.5 MiB (2**17 elements) and 0.125 MiB (2**15: under the floor, chunk_mb still caps it)
+    # and standing for 2**12, a 64th of 2**24 (2**18 elements) lies between the floor and chunk_mb's 2 MiB
+    assert peaks == [2**16 * 4, 2**19, 2**17, 2**20]
+
+
+def test_a_bf16_ema_stages_chunk_mb_of_bf16_elements():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False)  # fp32 parameters, bf16 shadows: staged in bf16
+    ema = memkit.EMA(decay=0.9, schedule="constant", dtype=torch.bfloat16, chunk_mb=8 / 2**20).build(model)
+    _nudge(model, 1)
+    with memkit.track() as tl:
+        ema.step(model)
+    assert tl.peak_bytes == 8  # 8 bytes: four bf16 elements
+
+
+def test_lerp_staged_called_alone_sizes_its_buffer_from_the_pairs():
+    from memkit.optimizations.ema import _lerp_staged  # importable from ema.py, as before the module split
+
+    shadow, param = torch.zeros(10), torch.arange(10, dtype=torch.bfloat16)
+    with memkit.track() as tl:
+        _lerp_staged([(shadow, param)], 0.5, torch.device("cpu"), memkit.EMA(chunk_mb=0.125), False, False)
+    assert torch.equal(shadow, torch.arange(10.0) / 2)
+    assert tl.peak_bytes == 2**15 * 4  # chunk_mb's 0.125 MiB, under the floor of 2**16 elements
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_frozen_integer_and_strided_parameters_follow_diffusers(foreach):
+    # diffusers' EMAModel copies what does not train (frozen, integer) and averages the rest; a transposed (non-
+    # contiguous) parameter and a second dtype among the staged ones take the update's one-tensor path
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.frozen = torch.nn.Parameter(torch.randn(3, 2), requires_grad=False)
+    model.steps = torch.nn.Parameter(torch.arange(4), requires_grad=False)
+    model.strided = torch.nn.Parameter(torch.randn(4, 3).t().to(torch.bfloat16))  # staged, not contiguous
+    model.fp16 = torch.nn.Parameter(torch.randn(5).half())
+    model.plain = torch.nn.Parameter(torch.randn(6))
+    assert not model.strided.is_contiguous()
+    ref = EMAModel(model.parameters(), decay=0.9, foreach=foreach)
+    ema = memkit.EMA(decay=0.9, foreach=foreach, dtype=torch.float32).build(model)
+    for _ in range(4):
+        with torch.no_grad():
+            for p in (model.frozen, model.strided, model.fp16, model.plain):
+                p.add_(torch.randn(p.shape).to(p.dtype) * 0.1)
+            model.steps.add_(1)
+        ref.step(model.parameters())
+        ema.step(model)
+    assert torch.equal(ema.shadow_params[0], model.frozen) and torch.equal(ema.shadow_params[1], model.steps)
+    for a, b in zip(ema.shadow_params, ref.shadow_params, strict=True):  # diffusers averages in the parameter's dtype
+        torch.testing.assert_close(a, b.to(a.dtype), atol=1e-6 if b.dtype == torch.float32 else 1e-2, rtol=0)
+
+
+def test_offloaded_shadows_of_two_dtypes_follow_diffusers():
+    # an estimate for "cuda" streams every shadow through device buffers (mode offload); the buffers take the first
+    # shadow's dtype, and a shadow of another dtype is updated on its own
+    from memkit.memory.placement import planning
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).to(torch.bfloat16))
+    ref = EMAModel(model.parameters(), decay=0.9)
+    with planning("cuda"):
+        ema = memkit.EMA(decay=0.9, mode="offload").build(model)
+        for i in range(3):
+            _nudge(model, i)
+            ref.step(model.parameters())
+            with memkit.track() as tl:
+                ema.step(model)
+    assert tl.peak_bytes == 2 * 2**16 * 4  # a parameter and a shadow buffer of the 2**16 fp32 elements' floor
+    assert [s.dtype for s in ema.shadow_params] == [torch.float32] * 2 + [torch.bfloat16] * 2
+    for a, b in zip(ema.shadow_params, ref.shadow_params, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
