@@ -65,8 +65,11 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cuda": ("memkit/memory/cuda.py", ("tests/test_cuda.py",)),
     "allocator": ("memkit/memory/allocator.py", ("tests/test_allocator.py",)),
     "tracker": ("memkit/memory/tracker.py", ("tests/test_tracker_fast.py",)),
-    "roles": ("memkit/memory/_roles.py", ("tests/test_tracker_fast.py", "tests/test_categories.py")),
-    "recording": ("memkit/memory/recording.py", ("tests/test_tracker_fast.py",)),
+    "roles": (
+        "memkit/memory/_roles.py",
+        ("tests/test_tracker_fast.py", "tests/test_categories.py", "tests/test_roles.py"),
+    ),
+    "recording": ("memkit/memory/recording.py", ("tests/test_tracker_fast.py", "tests/test_recording.py")),
     "fake_dispatch": ("memkit/memory/_fake_dispatch.py", ("tests/test_fake_dispatch.py",)),
     "memo": ("memkit/_memo.py", ("tests/test_memo.py",)),
     "splice": ("memkit/_splice.py", ("tests/test_memo.py",)),
@@ -494,9 +497,13 @@ EQUIVALENT: dict[tuple[str, str], str] = {
             ("Tracker.stop", "self._closed = False"),
             ("Tracker._on_free", "entry = self._live.pop(key, )"),
             ("Tracker._on_free", "if entry is None and self._closed:"),
-            ("Tracker._on_host_free", "entry = self._host.pop(key, )"),
+            ("_Roles._on_host_free", "entry = self._host.pop(key, )"),
+            ("_Roles._on_kept_free", "entry = self._kept.pop(key, )"),
         )
     },
+    ("_Roles._on_kept_free", "if entry is not None or not self._closed:"): "a kept storage's entry is always there "
+    "when its callback runs (see above), and host_state_bytes is read once, in stop(), before _closed is set and the "
+    "kept weakrefs are dropped: a free recorded after it is never read",
     **{
         ("Tracker._op_info", line): "a cache miss every time: the same op info, recomputed (ops are interned by name)"
         for line in (
@@ -534,18 +541,18 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("Tracker.stop", "_watch_outside_dispatch(None)"): "None is falsy like False: the same branch",
     ("Tracker._device_code", "code = None"): "a cache miss every time: the same device code (names are interned)",
     (
-        "Tracker.register",
+        "_Roles.register",
         "self._live[key] = _Live(-1, n, code, None, weakref.ref(s, partial(self._on_free, key, device)))",
     ): "a pre-window entry's phase is read only by _backward_started, which skips pre-window entries (event < 0)",
     (
-        "Tracker.register",
+        "_Roles.register",
         "self._live[key] = _Live(-2, n, code, _OTHER, weakref.ref(s, partial(self._on_free, key, device)))",
     ): "every reader tests event >= 0: -2 marks a pre-window storage as -1 does",
     **{
         (function, line): "recurse=None is falsy: torch takes the module alone, as with recurse=False"
         for function, line in (
-            ("Tracker.register_module", "params = list(m.parameters(recurse=None))"),
-            ("Tracker.register_module", 'self.register(m.buffers(recurse=None), "buffer")'),
+            ("_Roles.register_module", "params = list(m.parameters(recurse=None))"),
+            ("_Roles.register_module", 'self.register(m.buffers(recurse=None), "buffer")'),
             ("Tracker._forward_pre", "self.register_module(module, recurse=None)"),
         )
     },
