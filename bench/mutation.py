@@ -71,7 +71,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "recording": ("memkit/memory/recording.py", ("tests/test_tracker_fast.py", "tests/test_recording.py")),
     "fake_dispatch": ("memkit/memory/_fake_dispatch.py", ("tests/test_fake_dispatch.py",)),
-    "memo": ("memkit/_memo.py", ("tests/test_memo.py",)),
+    "memo": ("memkit/_memo.py", ("tests/test_memo_probe.py", "tests/test_memo.py")),
     "splice": ("memkit/_splice.py", ("tests/test_memo.py",)),
     "workspace": ("memkit/memory/workspace/*", ("tests/test_workspace_fast.py",)),
     "snapshot": (
@@ -136,6 +136,16 @@ MARKERS: dict[str, str] = {
     "checkpointing": "not slow",
     "feedforward": "not slow",
     "ff_chunks": "not slow",
+}
+
+KEYWORDS: dict[str, str] = {
+    # name: a pytest -k expression run against each mutant, where a test file's slow part carries no marker of its own
+    # test_fake_dispatch.py's estimates with the cache on and off take ~13 s a mutant (two presets, even in `make
+    # test-fast`): the cache's own tests (tests/test_fake_dispatch.py's others) judge it
+    "fake_dispatch": "not byte_equal",
+    # test_memo.py splices real presets' estimates (seconds each, minutes a mutant): its two tests that run none, and
+    # test_memo_probe.py (the probe's functions alone, in a second)
+    "memo": "test_memo_probe or block_lists_need_identical_blocks or middle_blocks_differ",
 }
 
 EQUIVALENT: dict[tuple[str, str], str] = {
@@ -834,7 +844,13 @@ def _mutmut(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess
 
 
 def _prepare(
-    work: Path, target: str, tests: list[str], multiplier: float, constant: float, markers: str | None = None
+    work: Path,
+    target: str,
+    tests: list[str],
+    multiplier: float,
+    constant: float,
+    markers: str | None = None,
+    keywords: str | None = None,
 ) -> None:
     if work.exists():
         shutil.rmtree(work)
@@ -846,7 +862,9 @@ def _prepare(
         "source_paths": ["memkit"],
         "only_mutate": [target],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"] + (["-m", markers] if markers else []),
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"]
+        + (["-m", markers] if markers else [])
+        + (["-k", keywords] if keywords else []),
         "timeout_multiplier": multiplier,
         # torch is not fork-safe once its thread pool has run: a mutant forked from the process that ran the
         # tests can hang. A fork server that only imported the tests forks cleanly.
@@ -886,7 +904,7 @@ def run_module(
         for key, value in json.loads((work / "run.json").read_text(encoding="utf-8")).items():
             setattr(result, key, value)
         return _collect(result, work)
-    _prepare(work, target, tests, multiplier, constant, MARKERS.get(name))
+    _prepare(work, target, tests, multiplier, constant, MARKERS.get(name), KEYWORDS.get(name))
     t0 = time.perf_counter()
     with open(work / "mutmut.log", "w") as out:
         proc = subprocess.Popen(
@@ -957,6 +975,7 @@ def _render(result: Result, info: dict[str, str], commit: str) -> str:
         "Tests run against each mutant: "
         + ", ".join(f"`{t}`" for t in result.tests)
         + (f' (`-m "{MARKERS[result.name]}"`)' if result.name in MARKERS else "")
+        + (f' (`-k "{KEYWORDS[result.name]}"`)' if result.name in KEYWORDS else "")
         + ".",
         "",
         markdown_table([row]),
