@@ -118,7 +118,7 @@ def test_the_probe_keeps_the_first_blocks_a_period_and_the_last():
 def test_cut_keeps_the_probe_blocks_in_place():
     model = nn.Module()
     model.blocks = stack(7)
-    model.short = stack(5)  # a period of 2 keeps 5 + 2 + 1 = 8 > 5 blocks: left whole
+    model.short = stack(5)  # one block more than the probe: its middle block left out
     originals = list(model.blocks)
     lists = _memo.cut(model)
     assert [(name, n) for name, n, _ in lists] == [("blocks", 7), ("short", 5)]
