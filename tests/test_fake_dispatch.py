@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 
 import memkit
 import memkit.estimation as estimation
@@ -206,7 +206,9 @@ def test_real_tensors_and_unknown_arguments_go_straight_to_the_op(store):
     a = torch.ones(2, 3)
     out = cache(aten.mul.Tensor, (a, a), {})
     assert torch.equal(out, torch.ones(2, 3)) and not isinstance(out, FakeTensor)
-    assert cache(aten.sum.dim_IntList, (a, [1]), {"dtype": torch.float64}).tolist() == [3.0, 3.0]
+    summed = cache(aten.sum.dim_IntList, (a, [1]), {"dtype": torch.float64})
+    assert summed.tolist() == [3.0, 3.0] and summed.dtype == torch.float64
+    assert cache(aten._local_scalar_dense.default, (torch.tensor(1.5),), {}) == 1.5
     assert _fake_dispatch._ENTRIES == {} and cache.mode is None
 
 
@@ -249,3 +251,92 @@ def test_extent_is_the_elements_a_shape_and_stride_reach():
     assert _fake_dispatch.extent((3, 2), (1, 3)) == 6  # transposed
     assert _fake_dispatch.extent((4,), (2,)) == 7  # every other element
     assert _fake_dispatch.extent((2, 0), (1, 1)) == 0 and _fake_dispatch.extent((), ()) == 1
+
+
+def test_keyword_arguments_reach_the_op_and_the_key(fake):
+    cache = FakeDispatchCache()
+    x = torch.empty(4, 3)
+    for dtype in (torch.float64, torch.float16, torch.float64):
+        assert cache(aten.sum.dim_IntList, (x, [1]), {"dtype": dtype}).dtype == dtype
+    assert cache.hits == 1
+
+
+def test_an_op_that_returns_no_tensor_gives_its_value(fake):
+    cache = FakeDispatchCache()
+    x = torch.empty(8, 2)
+    assert [cache(aten.size.int, (x, d), {}) for d in (0, 1, 0)] == [8, 2, 8]
+
+
+def test_the_cache_learns_its_mode_from_an_op_that_returns_a_list(fake):
+    cache = FakeDispatchCache()
+    x = torch.empty(8)
+    for _ in range(2):
+        (only,) = cache(aten._foreach_add.Scalar, ([x], 1.0), {})  # one tensor in a list
+        assert tuple(only.shape) == (8,)
+    assert cache.mode is fake and cache.hits == 1
+
+
+def test_an_out_variant_named_like_an_in_place_op_returns_its_out(fake):
+    # __lshift__.Scalar_out ends in "_" but writes `out`, not its first argument: it is never replayed as in place
+    cache = FakeDispatchCache()
+    x = torch.empty(4, dtype=torch.int64)
+    for _ in range(2):
+        out = torch.empty(4, dtype=torch.int64)
+        assert cache(aten.__lshift__.Scalar_out, (x, 1), {"out": out}) is out
+
+
+def test_an_output_that_is_its_arguments_whole_storage_always_dispatches(fake):
+    cache = FakeDispatchCache()
+    u = torch.empty(6, 2)
+    for _ in range(2):
+        (whole,) = cache(aten.unsafe_chunk.default, (u, 1), {})  # one chunk: u's storage from offset 0
+        assert whole.untyped_storage()._cdata == u.untyped_storage()._cdata
+    assert cache.hits == 0
+
+
+def test_replays_keep_dtype_and_requires_grad(fake):
+    # called above autograd (as here) an op's output requires grad when its input does: so does its replay
+    cache = FakeDispatchCache()
+    w = torch.empty(3, 3, requires_grad=True)
+    n = torch.empty(5, 4, dtype=torch.int64)
+    for _ in range(2):
+        assert cache(aten.mm.default, (w, w), {}).requires_grad
+        assert cache(aten.slice.Tensor, (n, 1, 0, 2), {}).dtype == torch.int64
+        assert cache(aten.mul.Tensor, (n, n), {}).dtype == torch.int64
+    assert cache.hits == 3
+
+
+def test_multi_output_views_are_replayed_and_conjugate_or_negative_views_are_not(fake):
+    cache = FakeDispatchCache()
+    x = torch.empty(6, 4)
+    for _ in range(2):
+        assert [tuple(p.shape) for p in cache(aten.split.Tensor, (x, 4), {})] == [(4, 4), (2, 4)]
+    assert cache.hits == 1
+    z = torch.empty(3, dtype=torch.complex64)
+    for _ in range(2):
+        assert cache(aten._conj.default, (z,), {}).is_conj()
+        assert cache(aten._neg_view.default, (z,), {}).is_neg()
+    assert cache.hits == 1
+
+
+def test_ops_are_keyed_by_the_op_too(fake):
+    cache = FakeDispatchCache()
+    a = torch.empty(3, 3)
+    assert cache(aten.mm.default, (a, a), {}).dtype == torch.float32
+    assert cache(aten.eq.Tensor, (a, a), {}).dtype == torch.bool  # the same arguments, another op
+
+
+def test_ops_that_always_dispatch_get_their_keyword_arguments(fake):
+    cache = FakeDispatchCache()
+    x, out = torch.empty(4), torch.empty(4)
+    assert cache(aten.add.out, (x, x), {"out": out}) is out  # an out= variant
+
+
+def test_the_device_of_a_constant_is_its_device_not_its_value(fake):
+    c = torch.tensor(3.0)  # a constant: its value is known
+    assert FakeDispatchCache()(torch.ops.prim.device.default, (c,), {}) == torch.device("cpu")
+
+
+def test_the_value_of_a_tensor_whose_value_is_unknown_is_refused_as_fake_dispatch_refuses_it(fake):
+    with pytest.raises(DataDependentOutputException):
+        FakeDispatchCache()(aten._local_scalar_dense.default, (torch.empty(()),), {})

@@ -14,7 +14,7 @@ import torch
 
 # diffusers imports its model classes lazily, seconds each: paid once here, at import (mutation testing forks each
 # mutant's test run from a process that imported this file)
-from diffusers import FluxTransformer2DModel, WanTransformer3DModel  # noqa: F401
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel  # noqa: F401
 from torch import nn
 
 import memkit
@@ -83,6 +83,10 @@ def test_the_first_and_last_block_may_differ_but_not_a_middle_one():
         ([memkit.Checkpointing(provider="offload")], {}, "keeps checkpoint inputs off the device"),
         ([memkit.Checkpointing(pattern="first:2")], {}, "in no repeating period"),
         ([memkit.FFSplit(splits=2), memkit.Offload()], {}, "Offload is not memoized (its state is not a sum"),
+        # a memoized optimization before another does not end the check
+        ([memkit.Quantize(), memkit.Offload()], {}, "Offload is not memoized"),
+        ([memkit.EMA(), memkit.Offload()], {}, "Offload is not memoized"),
+        ([memkit.Checkpointing(), memkit.Offload()], {}, "Offload is not memoized"),
     ],
 )
 def test_unsupported_says_why_a_setting_runs_every_block(optimizations, kwargs, said):
@@ -103,7 +107,9 @@ def test_a_step_with_mixed_precision_or_a_host_optimizer_runs_every_block():
 
 
 def test_the_probe_keeps_the_first_blocks_a_period_and_the_last():
-    assert [_memo.head(p) for p in (1, 2, 3)] == [2, 5, 7]
+    assert [_memo.head(p) for p in (1, 2, 3)] == [2, 5, 7] and _memo.head() == 2
+    assert _memo.probe_length(20, 3) == 7 + 3 + 1  # 20 - 11 is a whole number of periods
+    assert _memo.probe_length(21, 3) == 12  # one block more keeps 21's phase
     assert (_memo.probe_length(19, 2), _memo.probe_length(38, 2), _memo.probe_length(57, 1)) == (9, 8, 4)
     assert _memo.probe_length(5) == _memo.PROBE == 4
     assert _memo.kept(7, 4) == [0, 1, 5, 6]
@@ -113,6 +119,7 @@ def test_the_probe_keeps_the_first_blocks_a_period_and_the_last():
     # the third block stands for itself and the three left out; with a period of 2 the two after the head do
     assert [_memo.stands_for(b, 7, 4) for b in range(4)] == [1, 1, 4, 1]
     assert [_memo.stands_for(b, 13, 9, 2) for b in range(9)] == [1, 1, 1, 1, 1, 3, 3, 1, 1]
+    assert all(type(_memo.stands_for(b, 13, 9, 2)) is int for b in range(9))  # a count of blocks
 
 
 def test_cut_keeps_the_probe_blocks_in_place():
@@ -215,3 +222,32 @@ def test_a_4bit_parameter_weighs_what_its_quant_state_shape_holds():
     blocks[1].register_parameter("w", packed)
     assert _memo.parameters([("b", 6, blocks)], 0) == 2 * 16
     assert _memo.parameters([("b", 6, blocks)], 0, nbytes=True) == 2 * 8  # bytes: the packed storage
+
+
+def test_a_class_without_a_length_key_leaves_that_list_whole(monkeypatch):
+    keys = {"blocks": "num_layers", "extra": "no_such_key"}  # a key the class does not take: no length known
+    monkeypatch.setitem(_memo._LAYER_KEYS, "WanTransformer3DModel", keys)
+    _, lengths = _memo.probe_builder(with_tiny("wan", num_layers=6), "tiny", torch.float32, 0)
+    assert lengths == {"blocks": 6}
+
+
+def marks(layers: tuple[int, ...], n: int, period: int = 1):
+    """SD3.5 Medium's tiny preset with ``n`` blocks, ``layers`` of them with a second attention: the probe's marked
+    blocks, or None when its probe cannot be built."""
+    spec = with_tiny("sd3.5-medium", num_layers=n, dual_attention_layers=layers)
+    built = _memo.probe_builder(spec, "tiny", torch.float32, 0, period)
+    if built is None:
+        return None
+    with torch.device("meta"):
+        return built[0]().config.dual_attention_layers
+
+
+def test_a_probe_marks_the_blocks_that_stand_for_marked_layers():
+    # kept full blocks: 0, 1, 4, 5 of 6
+    assert marks((0,), 6) == (0,)
+    assert marks((1, 2, 3, 4), 6) == (1, 2)  # every middle block marked: the probe's middle ones too
+    assert marks(tuple(range(6)), 6) == (0, 1, 2, 3)
+    assert marks((0, 1), 6) is None  # some middle blocks marked, others not: no block stands for all
+    assert marks((4,), 6) is None
+    # with a period of 2, 13 blocks: a probe of 9, full blocks 0-4 and 9-12
+    assert marks((0, 12), 13, period=2) == (0, 8)
