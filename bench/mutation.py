@@ -663,6 +663,131 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     },
     ("flash_cpu_forward", "q, k = args[0], args[2]"): "key and value have the same length in every attention "
     "call, and the formula reads only the key's length",
+    # ---- _roles.py: see tracker.py above (the methods moved there keep their reasons)
+    # ---- _fake_dispatch.py
+    ("FakeDispatchCache._first", "before = [_meta(t) for t in tensors] if (kind == 2) or True else None"): "before is "
+    "read only for in-place ops (kind 2): computed for the others, it is dropped",
+    (
+        "_entry_of",
+        "if out is None or (isinstance(out, (list, tuple)) and out):",
+    ): "None gives the in-place entry either "
+    "way, and a list, empty or not, gives no entry either way (the line after, or the tests below it)",
+    (
+        "_entry_of",
+        'return ("inplace", None) if (out is None) or True else None',
+    ): "differs only for an in-place op that returns an empty list, and none can: no mutable aten op named with a "
+    "trailing '_' returns a list (checked over every aten overload's schema)",
+    **{
+        (
+            "extent",
+            f"return 1 + sum((n - 1) * st for n, st in zip(shape, stride, {arg})) if all(shape) else 0",
+        ): "shape and stride are one tensor's own: the same length"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    ("_view_entry", "if not outs and not all(isinstance(t, FakeTensor) for t in outs):"): "a view op's outputs under "
+    "FakeTensorMode are all fake tensors; with none (unbind of an empty dimension) the empty list it caches replays as "
+    "the empty list fake dispatch gives",
+    (
+        "_view_entry",
+        "if t.untyped_storage()._cdata != storage and t.constant is not None or t.is_conj() or t.is_neg():",
+    ): "an aten view op's outputs are on its one tensor argument's storage, and a constant argument never gets a key "
+    "(_key_of bypasses it): both tests dropped are always false",
+    **{
+        ("_view", f'empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta", {arg})'): "a view entry's "
+        "requires_grad is False: the estimate calls the cache below autograd (the tracker's dispatch mode), where no "
+        "output requires grad (above it, a view of a tensor that requires grad cannot be replayed: set_ on it raises)"
+        for arg in ("requires_grad=None", "")
+    },
+    ("_key_of", "return (type(None), tuple([_key_of(x) for x in a]))"): "a list and a tuple are the same aten argument "
+    "(int[], Tensor[]): the op gives the same outputs for either",
+    **{
+        ("FakeDispatchCache._kind", line): "the kinds are shortcuts: a cache miss recomputes the same kind, and None "
+        "(falsy, like 0) sends the op to FakeTensorMode, which gives the same outputs (prim.device: the fake device; "
+        "item of a constant: the constant's value)"
+        for line in (
+            "kind = None",
+            "kind = self._ops.get(None)",
+            "kind = self._ops.get(id(None))",
+            "self._ops[id(func)] = None",
+            "self._ops[id(None)] = kind",
+        )
+    },
+    **{
+        (function, line): "item of a constant then takes the keyed path, where its constant argument bypasses to "
+        "FakeTensorMode, which reads the constant's value as the shortcut does (and refuses a value it does not know "
+        "alike)"
+        for function, line in (
+            ("FakeDispatchCache._kind", "kind = 6"),
+            (
+                "FakeDispatchCache.__call__",
+                "if kind == 6:  # .item() of a constant (Adam's step count): fake dispatch "
+                "reads the value it propagated",
+            ),
+            ("FakeDispatchCache.__call__", "if isinstance(t, FakeTensor) and t.constant is not None and kwargs:"),
+        )
+    },
+    ("FakeDispatchCache._kind", "returns_alias = None"): "every non-mutable op whose return aliases an argument is a "
+    "view (OpOverload.is_view), taken by the branch before; a mutable one skips this branch either way",
+    (
+        "FakeDispatchCache._kind",
+        'elif schema.is_mutable or schema.name.endswith("_"):  # add_, _foreach_mul_: not out= variants',
+    ): "adds out= variants to the in-place path, which replays an op only when its first call changed no "
+    "argument's metadata (the out= tensors are keyed arguments) and returned nothing or its first argument: the same "
+    "outputs and metadata as running it",
+    **{
+        ("FakeDispatchCache.__call__", line): "prim.device then goes to FakeTensorMode, which gives the fake device too"
+        for line in (
+            "return t.fake_device if (isinstance(t, FakeTensor) and not kwargs) and False else func(*args, **kwargs)",
+            "return t.fake_device if isinstance(t, FakeTensor) and kwargs else func(*args, **kwargs)",
+        )
+    },
+    **{
+        ("FakeDispatchCache.__call__", line): "prim.device and _local_scalar_dense take no keyword arguments"
+        for line in (
+            "return t.fake_device if isinstance(t, FakeTensor) and not kwargs else func(*args, )",
+            "return func(*args, )",
+        )
+    },
+    (
+        "FakeDispatchCache.__call__",
+        "key = (id(func), _key_of(args), _key_of(tuple(kwargs.items())) if (kwargs) or True else None)",
+    ): "a call without keyword arguments keys them as _key_of(()) instead of None: another constant in the same place "
+    "of every such key",
+    **{
+        ("_entry_of", line): "no op that makes new tensors returns one with the conjugate or negative bit (clone and "
+        "arithmetic resolve them: checked for clone and mul of _conj and _neg_view views); only those views, a view "
+        "kind of their own, set them"
+        for line in (
+            "if t.constant is not None or t.is_conj() or t.is_neg() and t.layout != torch.strided:",
+            "if t.constant is not None or t.is_conj() and t.is_neg() or t.layout != torch.strided:",
+            "if t.constant is not None and t.is_conj() or t.is_neg() or t.layout != torch.strided:",
+        )
+    },
+    ("_entry_of", "storages.add(None)"): "two outputs on one new storage would both have to start at offset 0 and span "
+    "all of it (the tests after): one tensor returned twice, which no op with non-aliasing returns does",
+    **{
+        (
+            "_entry_of",
+            f"return ({tag}, (infos, container))",
+        ): "_replay tells only 'inplace' and 'view' apart: any other tag replays new tensors"
+        for tag in ('"XXnewXX"', '"NEW"')
+    },
+    # ---- _memo.py
+    (
+        "_identical",
+        "middle = _signature(blocks[2])",
+    ): "every list checked has at least 4 blocks (longer than the probe, "
+    "or a probe), so blocks 1 and 2 are both middle blocks: all middle blocks equal the one iff they equal the other",
+    ("_identical", "return all(_signature(b) == middle for b in list(blocks)[2:-1])"): "block 1's is the signature "
+    "compared against: leaving block 1 out of the comparison changes nothing",
+    **{
+        ("probe_builder", f"marked = set(config.get(marks[key], {arg}) or ())"): "the one marked key (SD3's "
+        "dual_attention_layers) defaults to () in its class: None or () reads as no marked layer either way"
+        for arg in ("None", "")
+    },
+    ("probe_builder", "probe = kept(n, probe_length(n, period), )  # the full blocks the probe's are"): "a list is "
+    "probed only when its middle layers are all marked or none is, and kept() with any period has the first block "
+    "first, the last block last and middle blocks between: the same probe blocks marked",
     # ---- optimizations/__init__.py
     (
         "register",
