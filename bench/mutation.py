@@ -664,6 +664,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("flash_cpu_forward", "q, k = args[0], args[2]"): "key and value have the same length in every attention "
     "call, and the formula reads only the key's length",
     # ---- _roles.py: see tracker.py above (the methods moved there keep their reasons)
+    ("_Roles._host_state_bytes", "peak[category] = max(peak.get(category, 1), live[category])"): "a category's first "
+    "host-state event is an allocation of at least one byte (_keep takes only storages with bytes, and all of a "
+    "storage's events count under its one category), so its peak is at least 1 either way",
     # ---- _fake_dispatch.py
     ("FakeDispatchCache._first", "before = [_meta(t) for t in tensors] if (kind == 2) or True else None"): "before is "
     "read only for in-place ops (kind 2): computed for the others, it is dropped",
