@@ -65,11 +65,16 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cuda": ("memkit/memory/cuda.py", ("tests/test_cuda.py",)),
     "allocator": ("memkit/memory/allocator.py", ("tests/test_allocator.py",)),
     "tracker": ("memkit/memory/tracker.py", ("tests/test_tracker_fast.py",)),
-    "roles": ("memkit/memory/_roles.py", ("tests/test_tracker_fast.py", "tests/test_categories.py")),
-    "recording": ("memkit/memory/recording.py", ("tests/test_tracker_fast.py",)),
+    "roles": (
+        "memkit/memory/_roles.py",
+        ("tests/test_tracker_fast.py", "tests/test_categories.py", "tests/test_roles.py"),
+    ),
+    "recording": ("memkit/memory/recording.py", ("tests/test_tracker_fast.py", "tests/test_recording.py")),
     "fake_dispatch": ("memkit/memory/_fake_dispatch.py", ("tests/test_fake_dispatch.py",)),
-    "memo": ("memkit/_memo.py", ("tests/test_memo.py",)),
-    "splice": ("memkit/_splice.py", ("tests/test_memo.py",)),
+    "memo": ("memkit/_memo.py", ("tests/test_memo_probe.py", "tests/test_memo.py")),
+    # tests/test_memo.py reaches the splice only through real presets' estimates (minutes a mutant): the splice is
+    # judged by tests/test_splice.py, hand-made probe events whose full-model events are worked out by hand
+    "splice": ("memkit/_splice.py", ("tests/test_splice.py",)),
     "workspace": ("memkit/memory/workspace/*", ("tests/test_workspace_fast.py",)),
     "snapshot": (
         "memkit/memory/snapshot.py",
@@ -139,6 +144,16 @@ MARKERS: dict[str, str] = {
     "quantization": "not slow",
     "offload": "not slow",
     "offload_store": "not slow",
+}
+
+KEYWORDS: dict[str, str] = {
+    # name: a pytest -k expression run against each mutant, where a test file's slow part carries no marker of its own
+    # test_fake_dispatch.py's estimates with the cache on and off take ~13 s a mutant (two presets, even in `make
+    # test-fast`): the cache's own tests (tests/test_fake_dispatch.py's others) judge it
+    "fake_dispatch": "not byte_equal",
+    # test_memo.py splices real presets' estimates (seconds each, minutes a mutant): its two tests that run none, and
+    # test_memo_probe.py (the probe's functions alone, in a second)
+    "memo": "test_memo_probe or block_lists_need_identical_blocks or middle_blocks_differ",
 }
 
 EQUIVALENT: dict[tuple[str, str], str] = {
@@ -500,9 +515,13 @@ EQUIVALENT: dict[tuple[str, str], str] = {
             ("Tracker.stop", "self._closed = False"),
             ("Tracker._on_free", "entry = self._live.pop(key, )"),
             ("Tracker._on_free", "if entry is None and self._closed:"),
-            ("Tracker._on_host_free", "entry = self._host.pop(key, )"),
+            ("_Roles._on_host_free", "entry = self._host.pop(key, )"),
+            ("_Roles._on_kept_free", "entry = self._kept.pop(key, )"),
         )
     },
+    ("_Roles._on_kept_free", "if entry is not None or not self._closed:"): "a kept storage's entry is always there "
+    "when its callback runs (see above), and host_state_bytes is read once, in stop(), before _closed is set and the "
+    "kept weakrefs are dropped: a free recorded after it is never read",
     **{
         ("Tracker._op_info", line): "a cache miss every time: the same op info, recomputed (ops are interned by name)"
         for line in (
@@ -540,18 +559,18 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("Tracker.stop", "_watch_outside_dispatch(None)"): "None is falsy like False: the same branch",
     ("Tracker._device_code", "code = None"): "a cache miss every time: the same device code (names are interned)",
     (
-        "Tracker.register",
+        "_Roles.register",
         "self._live[key] = _Live(-1, n, code, None, weakref.ref(s, partial(self._on_free, key, device)))",
     ): "a pre-window entry's phase is read only by _backward_started, which skips pre-window entries (event < 0)",
     (
-        "Tracker.register",
+        "_Roles.register",
         "self._live[key] = _Live(-2, n, code, _OTHER, weakref.ref(s, partial(self._on_free, key, device)))",
     ): "every reader tests event >= 0: -2 marks a pre-window storage as -1 does",
     **{
         (function, line): "recurse=None is falsy: torch takes the module alone, as with recurse=False"
         for function, line in (
-            ("Tracker.register_module", "params = list(m.parameters(recurse=None))"),
-            ("Tracker.register_module", 'self.register(m.buffers(recurse=None), "buffer")'),
+            ("_Roles.register_module", "params = list(m.parameters(recurse=None))"),
+            ("_Roles.register_module", 'self.register(m.buffers(recurse=None), "buffer")'),
             ("Tracker._forward_pre", "self.register_module(module, recurse=None)"),
         )
     },
@@ -650,6 +669,134 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     },
     ("flash_cpu_forward", "q, k = args[0], args[2]"): "key and value have the same length in every attention "
     "call, and the formula reads only the key's length",
+    # ---- _roles.py: see tracker.py above (the methods moved there keep their reasons)
+    ("_Roles._host_state_bytes", "peak[category] = max(peak.get(category, 1), live[category])"): "a category's first "
+    "host-state event is an allocation of at least one byte (_keep takes only storages with bytes, and all of a "
+    "storage's events count under its one category), so its peak is at least 1 either way",
+    # ---- _fake_dispatch.py
+    ("FakeDispatchCache._first", "before = [_meta(t) for t in tensors] if (kind == 2) or True else None"): "before is "
+    "read only for in-place ops (kind 2): computed for the others, it is dropped",
+    (
+        "_entry_of",
+        "if out is None or (isinstance(out, (list, tuple)) and out):",
+    ): "None gives the in-place entry either "
+    "way, and a list, empty or not, gives no entry either way (the line after, or the tests below it)",
+    (
+        "_entry_of",
+        'return ("inplace", None) if (out is None) or True else None',
+    ): "differs only for an in-place op that returns an empty list, and none can: no mutable aten op named with a "
+    "trailing '_' returns a list (checked over every aten overload's schema)",
+    **{
+        (
+            "extent",
+            f"return 1 + sum((n - 1) * st for n, st in zip(shape, stride, {arg})) if all(shape) else 0",
+        ): "shape and stride are one tensor's own: the same length"
+        for arg in ("strict=None", "", "strict=False")
+    },
+    ("_view_entry", "if not outs and not all(isinstance(t, FakeTensor) for t in outs):"): "a view op's outputs under "
+    "FakeTensorMode are all fake tensors; with none (unbind of an empty dimension) the empty list it caches replays as "
+    "the empty list fake dispatch gives",
+    (
+        "_view_entry",
+        "if t.untyped_storage()._cdata != storage and t.constant is not None or t.is_conj() or t.is_neg():",
+    ): "an aten view op's outputs are on its one tensor argument's storage, and a constant argument never gets a key "
+    "(_key_of bypasses it): both tests dropped are always false",
+    **{
+        ("_view", f'empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta", {arg})'): "a view entry's "
+        "requires_grad is False: the estimate calls the cache below autograd (the tracker's dispatch mode), where no "
+        "output requires grad (above it, a view of a tensor that requires grad cannot be replayed: set_ on it raises)"
+        for arg in ("requires_grad=None", "")
+    },
+    ("_key_of", "return (type(None), tuple([_key_of(x) for x in a]))"): "a list and a tuple are the same aten argument "
+    "(int[], Tensor[]): the op gives the same outputs for either",
+    **{
+        ("FakeDispatchCache._kind", line): "the kinds are shortcuts: a cache miss recomputes the same kind, and None "
+        "(falsy, like 0) sends the op to FakeTensorMode, which gives the same outputs (prim.device: the fake device; "
+        "item of a constant: the constant's value)"
+        for line in (
+            "kind = None",
+            "kind = self._ops.get(None)",
+            "kind = self._ops.get(id(None))",
+            "self._ops[id(func)] = None",
+            "self._ops[id(None)] = kind",
+        )
+    },
+    **{
+        (function, line): "item of a constant then takes the keyed path, where its constant argument bypasses to "
+        "FakeTensorMode, which reads the constant's value as the shortcut does (and refuses a value it does not know "
+        "alike)"
+        for function, line in (
+            ("FakeDispatchCache._kind", "kind = 6"),
+            (
+                "FakeDispatchCache.__call__",
+                "if kind == 6:  # .item() of a constant (Adam's step count): fake dispatch "
+                "reads the value it propagated",
+            ),
+            ("FakeDispatchCache.__call__", "if isinstance(t, FakeTensor) and t.constant is not None and kwargs:"),
+        )
+    },
+    ("FakeDispatchCache._kind", "returns_alias = None"): "every non-mutable op whose return aliases an argument is a "
+    "view (OpOverload.is_view), taken by the branch before; a mutable one skips this branch either way",
+    (
+        "FakeDispatchCache._kind",
+        'elif schema.is_mutable or schema.name.endswith("_"):  # add_, _foreach_mul_: not out= variants',
+    ): "adds out= variants to the in-place path, which replays an op only when its first call changed no "
+    "argument's metadata (the out= tensors are keyed arguments) and returned nothing or its first argument: the same "
+    "outputs and metadata as running it",
+    **{
+        ("FakeDispatchCache.__call__", line): "prim.device then goes to FakeTensorMode, which gives the fake device too"
+        for line in (
+            "return t.fake_device if (isinstance(t, FakeTensor) and not kwargs) and False else func(*args, **kwargs)",
+            "return t.fake_device if isinstance(t, FakeTensor) and kwargs else func(*args, **kwargs)",
+        )
+    },
+    **{
+        ("FakeDispatchCache.__call__", line): "prim.device and _local_scalar_dense take no keyword arguments"
+        for line in (
+            "return t.fake_device if isinstance(t, FakeTensor) and not kwargs else func(*args, )",
+            "return func(*args, )",
+        )
+    },
+    (
+        "FakeDispatchCache.__call__",
+        "key = (id(func), _key_of(args), _key_of(tuple(kwargs.items())) if (kwargs) or True else None)",
+    ): "a call without keyword arguments keys them as _key_of(()) instead of None: another constant in the same place "
+    "of every such key",
+    **{
+        ("_entry_of", line): "no op that makes new tensors returns one with the conjugate or negative bit (clone and "
+        "arithmetic resolve them: checked for clone and mul of _conj and _neg_view views); only those views, a view "
+        "kind of their own, set them"
+        for line in (
+            "if t.constant is not None or t.is_conj() or t.is_neg() and t.layout != torch.strided:",
+            "if t.constant is not None or t.is_conj() and t.is_neg() or t.layout != torch.strided:",
+            "if t.constant is not None and t.is_conj() or t.is_neg() or t.layout != torch.strided:",
+        )
+    },
+    ("_entry_of", "storages.add(None)"): "two outputs on one new storage would both have to start at offset 0 and span "
+    "all of it (the tests after): one tensor returned twice, which no op with non-aliasing returns does",
+    **{
+        (
+            "_entry_of",
+            f"return ({tag}, (infos, container))",
+        ): "_replay tells only 'inplace' and 'view' apart: any other tag replays new tensors"
+        for tag in ('"XXnewXX"', '"NEW"')
+    },
+    # ---- _memo.py
+    (
+        "_identical",
+        "middle = _signature(blocks[2])",
+    ): "every list checked has at least 4 blocks (longer than the probe, "
+    "or a probe), so blocks 1 and 2 are both middle blocks: all middle blocks equal the one iff they equal the other",
+    ("_identical", "return all(_signature(b) == middle for b in list(blocks)[2:-1])"): "block 1's is the signature "
+    "compared against: leaving block 1 out of the comparison changes nothing",
+    **{
+        ("probe_builder", f"marked = set(config.get(marks[key], {arg}) or ())"): "the one marked key (SD3's "
+        "dual_attention_layers) defaults to () in its class: None or () reads as no marked layer either way"
+        for arg in ("None", "")
+    },
+    ("probe_builder", "probe = kept(n, probe_length(n, period), )  # the full blocks the probe's are"): "a list is "
+    "probed only when its middle layers are all marked or none is, and kept() with any period has the first block "
+    "first, the last block last and middle blocks between: the same probe blocks marked",
     # ---- optimizations/__init__.py
     (
         "register",
@@ -866,7 +1013,13 @@ def _mutmut(args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess
 
 
 def _prepare(
-    work: Path, target: str, tests: list[str], multiplier: float, constant: float, markers: str | None = None
+    work: Path,
+    target: str,
+    tests: list[str],
+    multiplier: float,
+    constant: float,
+    markers: str | None = None,
+    keywords: str | None = None,
 ) -> None:
     if work.exists():
         shutil.rmtree(work)
@@ -878,7 +1031,9 @@ def _prepare(
         "source_paths": ["memkit"],
         "only_mutate": [target],
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"] + (["-m", markers] if markers else []),
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-q"]
+        + (["-m", markers] if markers else [])
+        + (["-k", keywords] if keywords else []),
         "timeout_multiplier": multiplier,
         # torch is not fork-safe once its thread pool has run: a mutant forked from the process that ran the
         # tests can hang. A fork server that only imported the tests forks cleanly.
@@ -918,7 +1073,7 @@ def run_module(
         for key, value in json.loads((work / "run.json").read_text(encoding="utf-8")).items():
             setattr(result, key, value)
         return _collect(result, work)
-    _prepare(work, target, tests, multiplier, constant, MARKERS.get(name))
+    _prepare(work, target, tests, multiplier, constant, MARKERS.get(name), KEYWORDS.get(name))
     t0 = time.perf_counter()
     with open(work / "mutmut.log", "w") as out:
         proc = subprocess.Popen(
@@ -989,6 +1144,7 @@ def _render(result: Result, info: dict[str, str], commit: str) -> str:
         "Tests run against each mutant: "
         + ", ".join(f"`{t}`" for t in result.tests)
         + (f' (`-m "{MARKERS[result.name]}"`)' if result.name in MARKERS else "")
+        + (f' (`-k "{KEYWORDS[result.name]}"`)' if result.name in KEYWORDS else "")
         + ".",
         "",
         markdown_table([row]),
