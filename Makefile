@@ -64,7 +64,7 @@ test: $(STAMP)
 # The edit-test loop: the unit tests not marked slow (the `slow` marker, pyproject.toml: every preset trained, the
 # CPU-path subprocesses, fresh interpreters, the README, tests of several seconds, and the cases of parametrized suites
 # beyond the one per code path a module's FAST_CASES keeps: tests/conftest.py), in TEST_WORKERS processes, no coverage,
-# no notebooks; ~360 CPU-seconds, 3:05 on two idle cores (bench/RESULTS.md). `make test` runs them all.
+# no notebooks; ~300 CPU-seconds, 2:32 on two idle cores (bench/RESULTS.md). `make test` runs them all.
 .PHONY: test-fast
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/browser --ignore=tests/colab -m "not slow" -n $(TEST_WORKERS) --durations=15
