@@ -35,14 +35,18 @@ def _time_bound(levels: dict[str, Any], seen: Mapping[tuple, list[Any]], space) 
     return bound
 
 
+def fastest_fitting(tried) -> float:
+    """The shortest step time of the configurations estimated so far that fit (inf where none has one)."""
+    return min((c.step_seconds for c in tried if c.fits and c.step_seconds is not None), default=float("inf"))
+
+
 def fastest(grid, space, pinned, seen, tried, evaluate, failed_above) -> None:
     """Estimate every configuration of ``grid`` (cheapest by the prior first) that could fit and could be faster
     than the fastest fitting one found so far, by :func:`_time_bound`: then the fastest that fits in ``tried`` is the
     grid's (as far as the :data:`TIME_MONOTONE` premise holds; ``tests/test_plan.py`` holds it to brute force)."""
-    fitting = [c.step_seconds for c in tried if c.fits and c.step_seconds is not None]
-    if not fitting:
+    best = fastest_fitting(tried)
+    if best == float("inf"):
         return
-    best = min(fitting)
     for levels in grid:
         if tuple(levels.get(d) for d in DIMENSIONS) in seen or conflict(levels, pinned) is not None:
             continue

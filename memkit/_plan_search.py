@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import gpus
-from ._plan_fastest import _time_bound
+from ._plan_fastest import _time_bound, fastest_fitting
 from ._plan_fastest import fastest as _fastest
 from ._plan_space import (
     ALLOC_CONFS,
@@ -388,7 +388,7 @@ def plan(
                 break
             if conflict(levels, pinned) is not None or failed_above(levels):
                 continue
-            if timing and _time_bound(levels, seen, space) >= _fastest_fitting(tried):
+            if timing and _time_bound(levels, seen, space) >= fastest_fitting(tried):
                 continue
             if fits(levels):
                 current = levels
@@ -451,11 +451,6 @@ def _step_time(tl, card, estimate_kwargs):
     from . import steptime
 
     return steptime.step_seconds(tl.op_counts, card, dtype=_matmul_dtype(estimate_kwargs))
-
-
-def _fastest_fitting(tried: list[Candidate]) -> float:
-    """The shortest step time of the configurations estimated so far that fit (inf where none has one)."""
-    return min((c.step_seconds for c in tried if c.fits and c.step_seconds is not None), default=float("inf"))
 
 
 def _slower(c: Candidate, base: Candidate) -> str:
